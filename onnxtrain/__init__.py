@@ -1,0 +1,27 @@
+"""onnxtrain: train ONNX models, following the training recipe the model carries.
+
+This module is the whole public surface; everything else is internal.
+"""
+
+from onnxtrain.errors import (
+    BindingError,
+    ExportError,
+    InputError,
+    ModelLoadError,
+    OnnxTrainError,
+    UnsupportedOpError,
+)
+from onnxtrain.model import load_model, save_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BindingError",
+    "ExportError",
+    "InputError",
+    "ModelLoadError",
+    "OnnxTrainError",
+    "UnsupportedOpError",
+    "load_model",
+    "save_model",
+]

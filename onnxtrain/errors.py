@@ -1,0 +1,33 @@
+"""The one exception hierarchy of onnxtrain.
+
+Every error a user can cause (a bad model, a bad feed, an unsupported
+operator) surfaces as a subclass of OnnxTrainError whose message names the
+model part involved and what to do about it, never as a raw protobuf, OS or
+XLA traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+
+class OnnxTrainError(Exception):
+    """Base class of every error onnxtrain raises on purpose."""
+
+
+class ModelLoadError(OnnxTrainError):
+    """A model (or its external data) cannot be read or is inconsistent."""
+
+
+class UnsupportedOpError(OnnxTrainError):
+    """The model uses operators onnxtrain does not implement."""
+
+
+class BindingError(OnnxTrainError):
+    """A TrainingInfoProto binding names a state variable or output that does not fit."""
+
+
+class InputError(OnnxTrainError):
+    """A feed is missing, unexpected, or of the wrong type or shape."""
+
+
+class ExportError(OnnxTrainError):
+    """A model or checkpoint cannot be written."""

@@ -1,0 +1,1 @@
+"""onnxtrain.translate: ONNX graphs to JAX functions. Knows nothing of training."""
