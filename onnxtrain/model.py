@@ -55,7 +55,7 @@ def _source_bytes(source: ModelSource) -> tuple[bytes, str, Path | None]:
         path = Path(source)
         return _read_path(path), str(path), path.resolve().parent
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source), "model bytes", None
+        return bytes(source), "in-memory model", None
     if hasattr(source, "read"):
         data = source.read()
         name = getattr(source, "name", None)
@@ -114,7 +114,8 @@ def load_model(
     if base_dir is not None:
         folder = Path(base_dir)
     if load_external_data:
-        load_external_tensors(iter_tensors(model), folder)
+        located = ((tensor, f"{described}: {where}") for tensor, where in iter_tensors(model))
+        load_external_tensors(located, folder)
     for tensor, where in iter_tensors(model):
         check_tensor_data(tensor, f"{described}: {where}")
     return model

@@ -161,7 +161,7 @@ def _from_little_endian(buffer: bytes, dtype: np.dtype) -> np.ndarray:
 
 
 def _to_little_endian(array: np.ndarray) -> bytes:
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
     if array.dtype.itemsize == 1:
         return array.tobytes()
     unit = _little_endian_unit(array.dtype)
