@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -206,9 +206,18 @@ def _moved_to_side_file(
 
 
 def _temporary_beside(path: Path) -> Path:
-    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    return Path(name)
+    """A new empty file next to `path`, created with the usual (umask) permissions.
+
+    tempfile.mkstemp would make it owner-only, and the rename would carry that
+    over to the saved model.
+    """
+    while True:
+        candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            open(candidate, "xb").close()
+            return candidate
+        except FileExistsError:
+            continue
 
 
 def _write_file(path: Path, data: bytes) -> None:

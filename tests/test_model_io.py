@@ -151,6 +151,14 @@ def test_a_failed_save_leaves_the_old_file_and_the_model_intact(tmp_path, refere
     assert sorted(os.listdir(tmp_path)) == ["model.onnx"], "temporary files must be removed"
 
 
+def test_saved_files_get_ordinary_permissions(tmp_path, reference):
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    save_model(reference, tmp_path / "m.onnx", external_data=True, size_threshold=256)
+    for saved in ("m.onnx", "m.onnx.data"):
+        assert (tmp_path / saved).stat().st_mode == plain.stat().st_mode
+
+
 def test_typed_field_tensors_are_restored_exactly_after_an_external_save(tmp_path):
     model = load_model(tensors_everywhere_model())
     weight = model.graph.initializer[0]

@@ -1,0 +1,88 @@
+"""The bundled demo model and the command line.
+
+Oracles: onnx's checker (on the main graph, the initialization graph and the
+combined main+algorithm graph, which is how the ONNX spec defines a training
+step), and onnxruntime's inference against a numpy forward pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from onnxtrain.cli import demo_model_path, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo_builder():
+    spec = importlib.util.spec_from_file_location("make_demo_model", ROOT / "scripts" / "make_demo_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_demo_model_is_what_the_script_writes():
+    assert demo_model_path().read_bytes() == _demo_builder().build().SerializeToString()
+
+
+def test_demo_model_passes_the_onnx_checker_including_its_training_graphs():
+    model = onnx.load(demo_model_path())
+    onnx.checker.check_model(model, full_check=True)
+    info = model.training_info[0]
+    combined = onnx.GraphProto()
+    combined.CopyFrom(model.graph)
+    for field in ("input", "initializer", "output", "node", "value_info", "sparse_initializer"):
+        getattr(combined, field).extend(getattr(info.algorithm, field))
+    for graph in (combined, info.initialization):
+        onnx.checker.check_model(
+            onnx.helper.make_model(graph, opset_imports=model.opset_import,
+                                   ir_version=model.ir_version),
+            full_check=True,
+        )
+    state = {b.key for b in info.update_binding}
+    assert state == {b.key for b in info.initialization_binding}
+    initializers = {t.name for t in model.graph.initializer} | {t.name for t in info.algorithm.initializer}
+    assert state <= initializers
+
+
+def test_onnxruntime_serves_the_demo_model_like_a_numpy_forward_pass():
+    model = onnx.load(demo_model_path())
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    x = np.random.default_rng(3).normal(size=(8, 2)).astype(np.float32)
+    expected = np.maximum(x @ weights["W1"] + weights["B1"], 0) @ weights["W2"] + weights["B2"]
+    session = onnxruntime.InferenceSession(str(demo_model_path()))
+    (logits,) = session.run(None, {"X": x})
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_demo_prints_the_model_structure(capsys):
+    assert main(["demo"]) == 0
+    printed = capsys.readouterr().out
+    for expected in ("mlp_classifier", "training_info[0]", "ai.onnx.preview.training::Adam",
+                     "state variables (13)", "W1 <- W1_new", "X float32[batch, 2]"):
+        assert expected in printed
+
+
+def test_info_on_a_missing_file_is_one_clear_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "onnxtrain", "info", str(tmp_path / "x.onnx")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"onnxtrain: model file {tmp_path / 'x.onnx'} does not exist"
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["simple/test_gradient_of_add", "light/light_resnet50"])
+def test_info_outlines_backend_models(name, capsys):
+    from backend_cases import BackendCase
+
+    suite, case = name.split("/")
+    assert main(["info", str(BackendCase(suite, case).model_path())]) == 0
+    assert "main graph" in capsys.readouterr().out
