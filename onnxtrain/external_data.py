@@ -67,6 +67,8 @@ def external_ref(tensor: TensorProto, where: str) -> ExternalRef:
 
 def confined_path(base_dir: Path, location: str, where: str) -> Path:
     """The file `location` names inside base_dir; ModelLoadError if it would leave it."""
+    if "\0" in location:
+        raise ModelLoadError(f"{where}: external data location {location!r} contains a NUL byte")
     posix, windows = PurePosixPath(location), PureWindowsPath(location)
     if posix.is_absolute() or windows.is_absolute() or windows.drive:
         raise ModelLoadError(

@@ -11,6 +11,7 @@ asked, or when the model would not fit in one protobuf message (2 GiB).
 from __future__ import annotations
 
 import io
+import math
 import os
 import secrets
 from collections.abc import Iterator
@@ -18,18 +19,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Union
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from onnxtrain.errors import ExportError, ModelLoadError
 from onnxtrain.external_data import load_external_tensors, mark_external, uses_external_data
 from onnxtrain.proto import ModelProto, TensorProto
 from onnxtrain.proto.walk import iter_tensors
-from onnxtrain.translate.tensors import array_bytes, check_tensor_data, tensor_to_numpy
+from onnxtrain.translate.tensors import (
+    ELEMENT_TYPES,
+    array_bytes,
+    check_tensor_data,
+    raw_size,
+    tensor_to_numpy,
+)
 
 # Protobuf refuses to parse or serialize a message of 2 GiB or more.
 PROTOBUF_LIMIT = 2**31 - 1
 
-ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, ModelProto, object]
+# Any object with SerializeToString (an onnx.ModelProto, say) is accepted too.
+ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, ModelProto]
 
 
 def _read_path(path: Path) -> bytes:
@@ -109,8 +117,13 @@ def load_model(
     whose tensors live in side files. With load_external_data=False those
     tensors keep their references (and their sizes are not checked).
     """
-    data, described, folder = _source_bytes(source)
-    model = _parse(data, described)
+    if isinstance(source, ModelProto):
+        # Copied, not serialized: an in-memory model may be past protobuf's 2 GiB limit.
+        model, described, folder = ModelProto(), "in-memory model", None
+        model.CopyFrom(source)
+    else:
+        data, described, folder = _source_bytes(source)
+        model = _parse(data, described)
     if base_dir is not None:
         folder = Path(base_dir)
     if load_external_data:
@@ -136,19 +149,49 @@ def _stored_bytes(tensor: TensorProto, where: str) -> bytes:
     return array_bytes(tensor_to_numpy(tensor, where))
 
 
-def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto, str]]:
-    chosen = []
+def _payload_size(tensor: TensorProto) -> int:
+    """Bytes of the tensor's values, from its dims (no copy of the data is made)."""
+    element = ELEMENT_TYPES.get(tensor.data_type)
+    if element is None:
+        return 0
+    return raw_size(element, math.prod(tensor.dims))
+
+
+def _fits_in_one_message(model: ModelProto) -> bool:
+    """Whether protobuf can serialize the model (its ByteSize itself fails past 2 GiB)."""
+    try:
+        return model.ByteSize() <= PROTOBUF_LIMIT
+    except EncodeError:
+        return False
+
+
+def _refuse_unloaded_external_data(model: ModelProto) -> None:
     for tensor, where in iter_tensors(model):
         if uses_external_data(tensor):
             raise ExportError(
                 f"{where}: still refers to external data that was never loaded; load the "
-                f"model with load_external_data=True before saving it elsewhere"
+                f"model with load_external_data=True before saving it"
             )
-        if tensor.data_type == TensorProto.STRING or tensor.HasField("segment"):
-            continue
-        if tensor.ByteSize() >= threshold:
-            chosen.append((tensor, where))
-    return chosen
+
+
+def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto, str]]:
+    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes."""
+    return [
+        (tensor, where)
+        for tensor, where in iter_tensors(model)
+        if tensor.data_type != TensorProto.STRING
+        and not tensor.HasField("segment")
+        and _payload_size(tensor) >= threshold
+    ]
+
+
+def _serialize(model: ModelProto) -> bytes:
+    if not _fits_in_one_message(model):
+        raise ExportError(
+            "model is over protobuf's 2 GiB limit for one message; save it with "
+            "external_data=True or None, and a lower size_threshold if it is still too big"
+        )
+    return model.SerializeToString()
 
 
 def _write_all(handle: io.FileIO, data: bytes) -> None:
@@ -259,29 +302,20 @@ def save_model(
     path = Path(path)
     if not path.parent.is_dir():
         raise ExportError(f"cannot save to {path}: folder {path.parent} does not exist")
+    _refuse_unloaded_external_data(model)
     if external_data is None:
-        external_data = model.ByteSize() > PROTOBUF_LIMIT
+        external_data = not _fits_in_one_message(model)
+    location = _side_file_name(path, external_data) if external_data is not False else None
+    moving = _externalizable(model, size_threshold) if location else []
+    side_file = path.parent / location if moving else None
     temporaries: list[Path] = []
     try:
-        if external_data is False:
-            if model.ByteSize() > PROTOBUF_LIMIT:
-                raise ExportError(
-                    f"model is {model.ByteSize()} bytes, over protobuf's 2 GiB limit; save "
-                    f"with external_data=True"
-                )
-            side_file = None
-            serialized = model.SerializeToString()
+        if side_file is None:
+            serialized = _serialize(model)
         else:
-            location = _side_file_name(path, external_data)
-            side_file = path.parent / location
             temporaries.append(_temporary_beside(side_file))
-            with _moved_to_side_file(_externalizable(model, size_threshold), temporaries[-1], location):
-                if model.ByteSize() > PROTOBUF_LIMIT:
-                    raise ExportError(
-                        f"model is still {model.ByteSize()} bytes with its large tensors in "
-                        f"{location}; lower size_threshold"
-                    )
-                serialized = model.SerializeToString()
+            with _moved_to_side_file(moving, temporaries[-1], location):
+                serialized = _serialize(model)
         temporaries.append(_temporary_beside(path))
         _write_file(temporaries[-1], serialized)
         if side_file is not None:

@@ -194,6 +194,11 @@ def test_symlink_inside_the_model_folder_is_fine(tmp_path):
     assert loaded.graph.initializer[0].raw_data == np.arange(12, dtype=np.float32).tobytes()
 
 
+def test_location_with_a_nul_byte(tmp_path):
+    path = with_weight_entries(tmp_path, location="weights.bin\0.txt")
+    expect_load_error(path, "'W'", "NUL byte")
+
+
 def test_missing_location(tmp_path):
     path = with_weight_entries(tmp_path, offset="0")
     expect_load_error(path, "'W'", "no external_data location")

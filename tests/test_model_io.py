@@ -120,6 +120,8 @@ def test_named_side_file_and_inline_save(tmp_path, reference):
     assert onnx.load(tmp_path / "b.onnx", load_external_data=False) == reference
     with pytest.raises(ExportError, match="plain file name"):
         save_model(reference, tmp_path / "c.onnx", external_data="../escape.bin")
+    save_model(reference, tmp_path / "d.onnx", external_data=True, size_threshold=10**9)
+    assert not (tmp_path / "d.onnx.data").exists(), "no side file when no tensor is large enough"
 
 
 def test_models_over_the_protobuf_limit_go_external_automatically(tmp_path, reference, monkeypatch):
@@ -177,8 +179,10 @@ def test_unloaded_external_references_are_refused_on_save(tmp_path, reference):
     # (the fixture's model is not used again after onnx's saver rewrote it)
     lazy = load_model(tmp_path / "src.onnx", load_external_data=False)
     (tmp_path / "dst").mkdir()
-    with pytest.raises(ExportError, match="never loaded"):
-        save_model(lazy, tmp_path / "dst" / "m.onnx", external_data=True)
+    for external_data in (True, None, False):
+        with pytest.raises(ExportError, match="never loaded"):
+            save_model(lazy, tmp_path / "dst" / "m.onnx", external_data=external_data)
+    assert not os.listdir(tmp_path / "dst")
 
 
 def test_public_names():
@@ -187,3 +191,20 @@ def test_public_names():
     for name in ("ModelLoadError", "UnsupportedOpError", "BindingError", "InputError",
                  "ExportError"):
         assert issubclass(getattr(onnxtrain, name), onnxtrain.OnnxTrainError)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ONNXTRAIN_HUGE_TESTS"),
+                    reason="writes 2.2 GB and needs ~5 GB of memory; set ONNXTRAIN_HUGE_TESTS=1")
+def test_a_real_model_past_2_gib_saves_and_loads(tmp_path):
+    model = ModelProto(ir_version=10)
+    model.graph.name = "huge"
+    for name, fill in (("A", b"\x01"), ("B", b"\x02")):
+        model.graph.initializer.add(name=name, data_type=TensorProto.UINT8, dims=[1_100_000_000],
+                                    raw_data=fill * 1_100_000_000)
+    save_model(model, tmp_path / "huge.onnx")
+    assert (tmp_path / "huge.onnx.data").stat().st_size == 2_200_000_000
+    assert (tmp_path / "huge.onnx").stat().st_size < 1024
+    del model
+    loaded = load_model(tmp_path / "huge.onnx")
+    assert loaded.graph.initializer[1].raw_data[-3:] == b"\x02\x02\x02"
