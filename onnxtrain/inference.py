@@ -1,0 +1,33 @@
+"""Translation for users: gradients through ONNX models in JAX, and one-shot runs."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+
+from onnxtrain.model import ModelSource, load_model
+from onnxtrain.translate.model import TranslatedModel
+
+
+def translate_model(model: ModelSource, params: Iterable[str] | None = None) -> tuple[TranslatedModel, dict]:
+    """(fn, params): fn(params, inputs, key=None) -> dict of outputs, jit- and grad-able.
+
+    `params` are the model's float initializers (or those named), as JAX
+    arrays. fn compiles once per input signature; random ops draw from `key`.
+    """
+    translated = TranslatedModel(load_model(model), params)
+    return translated, dict(translated.params)
+
+
+def run(model: ModelSource, inputs: Mapping[str, Any], key: jax.Array | None = None) -> dict[str, Any]:
+    """One-shot inference: translate, compile for these inputs, run.
+
+    Random ops draw from `key`, or from a fresh random key when none is given.
+    """
+    translated, params = translate_model(model)
+    if key is None:
+        key = jax.random.key(secrets.randbits(63))
+    return translated(params, inputs, key)

@@ -1,0 +1,194 @@
+"""Run onnx's backend test cases through onnxtrain and compare with each case's expectations.
+
+Used by tests/test_conformance.py (one pytest case per backend case) and as a
+command that prints a summary:
+
+    python tests/conformance.py [--suite node] [-k REGEX] [--failures]
+
+Expected values: the case's own data sets (node, model, simple, pytorch-*),
+and onnxruntime on fixed random inputs for the light models (they ship no
+inputs). Tolerances are each case's rtol/atol, as onnx's own runner uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from backend_cases import DATA_ROOT, GENERATED_SUITES, SUITES, BackendCase, _generated, cases  # noqa: E402
+
+EXPECTED_FAILURES = Path(__file__).parent / "conformance_expected_failures"
+LIGHT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+
+
+def expected_failures() -> dict[str, str]:
+    """case id -> reason, from the committed lists (`suite/name  # reason` per line)."""
+    failures = {}
+    for listing in sorted(EXPECTED_FAILURES.glob("*.txt")):
+        for line in listing.read_text().splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            case_id, _, reason = line.partition("#")
+            failures[case_id.strip()] = reason.strip()
+    return failures
+
+
+def _load_value(path: Path, value_type: Any) -> Any:
+    import onnx
+    from onnx import numpy_helper
+
+    data = path.read_bytes()
+    if value_type.HasField("sequence_type"):
+        return numpy_helper.to_list(onnx.SequenceProto.FromString(data))
+    if value_type.HasField("optional_type"):
+        return numpy_helper.to_optional(onnx.OptionalProto.FromString(data))
+    return numpy_helper.to_array(onnx.TensorProto.FromString(data))
+
+
+def data_sets(case: BackendCase, model: Any) -> tuple[list[tuple[list, list]], float, float]:
+    """[(inputs, expected outputs)], rtol, atol for a case."""
+    if case.suite in GENERATED_SUITES:
+        generated = _generated(case.suite)[case.name]
+        return [(list(i), list(o)) for i, o in generated.data_sets], generated.rtol, generated.atol
+    if case.suite == "light":
+        return _light_data(case, model), LIGHT_TOLERANCE["rtol"], LIGHT_TOLERANCE["atol"]
+    sets = []
+    folder = DATA_ROOT / case.suite / case.name
+    graph = model.graph
+    for data_dir in sorted(folder.glob("test_data_set_*")):
+        inputs = [_load_value(data_dir / f"input_{i}.pb", graph.input[i].type)
+                  for i in range(len(list(data_dir.glob("input_*.pb"))))]
+        outputs = [_load_value(data_dir / f"output_{i}.pb", graph.output[i].type)
+                   for i in range(len(list(data_dir.glob("output_*.pb"))))]
+        sets.append((inputs, outputs))
+    return sets, 1e-3, 1e-7
+
+
+def _light_data(case: BackendCase, model: Any) -> list[tuple[list, list]]:
+    import onnxruntime
+    from onnx import helper
+
+    initializers = {t.name for t in model.graph.initializer}
+    rng = np.random.default_rng(0)
+    inputs = []
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        shape = [d.dim_value or 1 for d in value.type.tensor_type.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        inputs.append(rng.standard_normal(shape).astype(dtype))
+    session = onnxruntime.InferenceSession(str(case.model_path()), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return [(inputs, session.run(None, dict(zip(names, inputs))))]
+
+
+def assert_similar(expected: Any, actual: Any, rtol: float, atol: float, where: str = "output") -> None:
+    """onnx's backend comparison: same structure, shape and dtype; values within tolerance."""
+    if isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)), f"{where}: expected a sequence, got {type(actual)}"
+        assert len(actual) == len(expected), f"{where}: sequence length {len(actual)} != {len(expected)}"
+        for index, (e, a) in enumerate(zip(expected, actual)):
+            assert_similar(e, a, rtol, atol, f"{where}[{index}]")
+        return
+    if expected is None:
+        assert actual is None, f"{where}: expected an empty optional, got {type(actual)}"
+        return
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != expected {expected.shape}"
+    if expected.dtype == object or expected.dtype.kind in "US":
+        np.testing.assert_array_equal(actual.astype(object), expected.astype(object), err_msg=where)
+        return
+    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != expected {expected.dtype}"
+    if expected.dtype.kind not in "fcbiu":  # ml_dtypes floats: compare as float32
+        rtol = max(rtol, 2**-6) if expected.dtype.name == "bfloat16" else rtol
+        expected, actual = expected.astype(np.float32), actual.astype(np.float32)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=where)
+
+
+@dataclass
+class Result:
+    case: BackendCase
+    passed: bool
+    error: str = ""
+    seconds: float = 0.0
+
+
+def run_case(case: BackendCase) -> Result:
+    import onnx
+
+    from onnxtrain.backend import OnnxTrainRep
+
+    start = time.perf_counter()
+    try:
+        model = onnx.ModelProto.FromString(case.model_bytes())
+        sets, rtol, atol = data_sets(case, model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rep = OnnxTrainRep(case.model_bytes())
+            for inputs, expected in sets:
+                outputs = rep.run(inputs)
+                assert len(outputs) == len(expected), f"{len(outputs)} outputs, expected {len(expected)}"
+                for index, (e, a) in enumerate(zip(expected, outputs)):
+                    assert_similar(e, a, rtol, atol, f"output {index}")
+    except Exception as error:  # noqa: BLE001 - every failure is a result to report
+        message = f"{type(error).__name__}: {error}"
+        if not isinstance(error, AssertionError) and type(error).__module__.startswith(("jax", "builtins")):
+            message += "\n" + "".join(traceback.format_tb(error.__traceback__)[-3:])
+        return Result(case, False, message, time.perf_counter() - start)
+    return Result(case, True, seconds=time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=SUITES, action="append", help="suites to run (default: all)")
+    parser.add_argument("-k", dest="pattern", help="only cases whose id matches this regex")
+    parser.add_argument("--failures", action="store_true", help="print every failing case and why")
+    arguments = parser.parse_args(argv)
+    known = expected_failures()
+    pattern = re.compile(arguments.pattern) if arguments.pattern else None
+    totals: dict[str, Counter] = {}
+    surprises = []
+    for suite in arguments.suite or SUITES:
+        for case in cases(suite):
+            if pattern and not pattern.search(case.id):
+                continue
+            result = run_case(case)
+            counts = totals.setdefault(suite, Counter())
+            counts["total"] += 1
+            expected_to_fail = case.id in known
+            if result.passed:
+                counts["pass"] += 1
+                if expected_to_fail:
+                    surprises.append(f"UNEXPECTED PASS {case.id}")
+            else:
+                counts["expected-fail" if expected_to_fail else "FAIL"] += 1
+                if not expected_to_fail:
+                    surprises.append(f"FAIL {case.id}: {result.error.splitlines()[0][:300]}")
+                if arguments.failures:
+                    print(f"--- {case.id}\n{result.error}")
+    for line in surprises:
+        print(line)
+    print(f"{'suite':<20}{'pass':>6}{'xfail':>7}{'FAIL':>6}{'total':>7}{'pass %':>8}")
+    for suite, counts in totals.items():
+        share = 100 * counts["pass"] / counts["total"]
+        print(f"{suite:<20}{counts['pass']:>6}{counts['expected-fail']:>7}{counts['FAIL']:>6}"
+              f"{counts['total']:>7}{share:>7.1f}%")
+    return 1 if surprises else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

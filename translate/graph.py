@@ -1,0 +1,197 @@
+"""Walk an ONNX graph in order and evaluate it as one JAX computation.
+
+Translation (once per model) turns every graph, subgraph and model-local
+function call into a GraphPlan: node specs with their handler, opset and
+decoded attributes. Evaluation (once per trace) walks a plan with an
+environment of named values. Nested graphs see outer names through a
+ChainMap, so an If branch or Loop body reads outer values without copying.
+
+A node whose inputs are all host constants is evaluated on the spot (under
+jax.ensure_compile_time_eval) and its outputs stay host constants; that is
+how shape arithmetic folds away at trace time.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from onnxtrain.errors import ModelLoadError, UnsupportedOpError
+from onnxtrain.proto import FunctionProto, GraphProto, NodeProto
+from onnxtrain.translate.node import Evaluation, Node, NodeSpec, decode_attribute, node_label
+from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
+
+
+@dataclass
+class GraphPlan:
+    """A graph ready to evaluate: its input/output names and node specs in order."""
+
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    nodes: list[NodeSpec]
+    # Values defined by the graph itself (initializers, Constant-free): name -> host array.
+    constants: dict[str, Any]
+
+
+class Translator:
+    """Builds GraphPlans for one model: opsets, local functions, missing-op report."""
+
+    def __init__(self, opsets: Mapping[str, int], functions: Sequence[FunctionProto]):
+        self.opsets = {normalize_domain(d): v for d, v in opsets.items()}
+        self.functions = {(f.domain, f.name, f.overload): f for f in functions}
+        self.missing: dict[tuple[str, str, int], list[str]] = {}
+
+    def plan(self, graph: GraphProto, constants: Mapping[str, Any] | None = None,
+             opsets: Mapping[str, int] | None = None, where: str = "main graph") -> GraphPlan:
+        opsets = self.opsets if opsets is None else opsets
+        nodes = [self._spec(node, opsets, where) for node in graph.node]
+        return GraphPlan(
+            name=graph.name,
+            inputs=[value.name for value in graph.input],
+            outputs=[value.name for value in graph.output],
+            nodes=[spec for spec in nodes if spec is not None],
+            constants=dict(constants or {}),
+        )
+
+    def _spec(self, node: NodeProto, opsets: Mapping[str, int], where: str) -> NodeSpec | None:
+        label = f"{node_label(node)} in {where}"
+        domain = normalize_domain(node.domain)
+        attrs = {a.name: decode_attribute(a, label) for a in node.attribute if not a.ref_attr_name}
+        function = self.functions.get((node.domain, node.op_type, node.overload))
+        if function is not None:
+            return self._function_spec(node, function, attrs, label)
+        version = opsets.get(domain)
+        handler = resolve(domain, node.op_type, version) if version is not None else None
+        if handler is None:
+            self.missing.setdefault((domain or "ai.onnx", node.op_type, version or 0), []).append(
+                node.name or "(unnamed)")
+            return None
+        spec = NodeSpec(node, label, version, attrs, handler.fn, handler.static_inputs,
+                        handler.random, handler.differentiable)
+        for attribute in node.attribute:
+            if attribute.type == attribute.GRAPH:
+                spec.subgraphs[attribute.name] = self.plan(
+                    attribute.g, opsets=opsets, where=f"attribute {attribute.name!r} of {label}")
+        return spec
+
+    def _function_spec(self, node: NodeProto, function: FunctionProto, attrs: dict[str, Any],
+                       label: str) -> NodeSpec:
+        """A call of a model-local function: its body planned with this call's attributes."""
+        values = {a.name: decode_attribute(a, label) for a in function.attribute_proto}
+        values.update(attrs)
+        body = GraphProto(name=function.name, node=_bind_attributes(function.node, values, label))
+        opsets = dict(self.opsets)
+        opsets.update({normalize_domain(o.domain): o.version for o in function.opset_import})
+        plan = self.plan(body, opsets=opsets, where=f"function {function.domain}::{function.name}")
+        plan.inputs = list(function.input)
+        plan.outputs = list(function.output)
+
+        def call(node_call: Node, *inputs: Any) -> tuple:
+            # A function body sees only its own inputs, never the caller's scope.
+            return tuple(evaluate_plan(plan, inputs, {}, node_call.evaluation))
+
+        return NodeSpec(node, label, 1, values, call, subgraphs={"body": plan})
+
+    def check_complete(self, what: str) -> None:
+        """One UnsupportedOpError listing every node no handler or function covers."""
+        if not self.missing:
+            return
+        lines = [f"  {domain}::{op} (opset {version}): nodes {', '.join(names)}"
+                 for (domain, op, version), names in sorted(self.missing.items())]
+        raise UnsupportedOpError(
+            f"{what} uses {len(self.missing)} operator(s) onnxtrain does not implement:\n"
+            + "\n".join(lines)
+            + "\nRe-export the model with supported operators, or open an issue naming them."
+        )
+
+
+def _bind_attributes(nodes: Sequence[NodeProto], values: Mapping[str, Any],
+                     label: str) -> list[NodeProto]:
+    """Copies of a function body's nodes with ref_attr_name attributes resolved."""
+    from onnxtrain.proto.make import attribute as make_attribute
+
+    bound = []
+    for node in nodes:
+        copy = NodeProto()
+        copy.CopyFrom(node)
+        del copy.attribute[:]
+        for attribute in node.attribute:
+            if not attribute.ref_attr_name:
+                copy.attribute.append(attribute)
+            elif attribute.ref_attr_name in values:
+                copy.attribute.append(make_attribute(attribute.name, values[attribute.ref_attr_name]))
+        bound.append(copy)
+    return bound
+
+
+def _bind_outputs(spec: NodeSpec, scope: dict[str, Any], result: Any) -> None:
+    """Name the handler's outputs; a tuple is several outputs, anything else one."""
+    outputs = result if isinstance(result, tuple) else (result,)
+    for index, name in enumerate(spec.proto.output):
+        if not name:
+            continue
+        if index >= len(outputs):
+            raise UnsupportedOpError(
+                f"{spec.label}: output {index} ({name!r}) is not implemented; only the first "
+                f"{len(outputs)} are")
+        scope[name] = outputs[index]
+
+
+def _run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
+    try:
+        inputs = [scope[name] if name else None for name in spec.proto.input]
+    except KeyError as missing:
+        raise ModelLoadError(
+            f"{spec.label}: input {missing.args[0]!r} is not produced by any earlier node, "
+            f"initializer or graph input") from None
+    host = evaluation.eager or (not spec.random and all(is_host(v) for v in inputs))
+    for index in spec.static_inputs:
+        if index < len(inputs) and not is_host(inputs[index]):
+            raise NeedsHostValues(
+                spec.label,
+                f"needs input {index} ({spec.proto.input[index]!r}) known before running, "
+                f"but it is computed from graph inputs")
+    node = Node(spec, evaluation, scope, host)
+    if host and not spec.random:
+        with jax.ensure_compile_time_eval():
+            result = spec.call(node, *inputs)
+        result = _concrete_to_host(result)
+    else:
+        result = spec.call(node, *inputs)
+        if evaluation.eager:
+            result = _concrete_to_host(result)
+    _bind_outputs(spec, scope.maps[0], result)
+
+
+def _concrete_to_host(result: Any) -> Any:
+    """Host-evaluated outputs as numpy; tracers (from outer scopes) stay as they are."""
+    if isinstance(result, tuple):
+        return tuple(_concrete_to_host(item) for item in result)
+    if isinstance(result, jax.core.Tracer):
+        return result
+    if isinstance(result, list):
+        return [_concrete_to_host(item) for item in result]
+    return to_host(result)
+
+
+def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, Any],
+                  evaluation: Evaluation) -> list[Any]:
+    """Evaluate a plan: bind inputs (in order), run the nodes, return the outputs."""
+    local: dict[str, Any] = dict(plan.constants)
+    for name, value in zip(plan.inputs, inputs):
+        if name:
+            local[name] = value
+    scope = ChainMap(local, outer)
+    for spec in plan.nodes:
+        _run_node(spec, scope, evaluation)
+    try:
+        return [scope[name] for name in plan.outputs]
+    except KeyError as missing:
+        raise ModelLoadError(
+            f"graph {plan.name!r}: output {missing.args[0]!r} is never produced") from None

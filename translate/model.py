@@ -1,0 +1,142 @@
+"""A whole ONNX model as one jitted, differentiable JAX function.
+
+TranslatedModel translates once (plans, decoded attributes, constants) and
+compiles once per input signature (jax.jit's cache). Float initializers are
+parameters, passed in rather than baked into the program, so they can be
+differentiated and updated; every other initializer is a host constant.
+Graphs that need concrete values (data-dependent shapes, strings) run op by op
+instead, after one log line saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from onnxtrain.errors import InputError
+from onnxtrain.proto import GraphProto, ModelProto
+from onnxtrain.proto.walk import iter_graph_tree
+from onnxtrain.translate import ops  # noqa: F401 - registers every op handler
+from onnxtrain.translate.graph import Translator, evaluate_plan
+from onnxtrain.translate.node import Evaluation, _sparse_to_dense
+from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.tensors import tensor_to_numpy
+from onnxtrain.translate.values import NeedsHostValues, to_host
+
+logger = logging.getLogger("onnxtrain")
+
+
+def graph_initializers(graph: GraphProto) -> dict[str, np.ndarray]:
+    """Dense and sparse initializers of a graph as numpy arrays, by name."""
+    values = {t.name: tensor_to_numpy(t, f"initializer {t.name!r}") for t in graph.initializer}
+    for sparse in graph.sparse_initializer:
+        values[sparse.values.name] = _sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
+    return values
+
+
+def _static_names(graph: GraphProto, opsets: Mapping[str, int]) -> set[str]:
+    """Names used at an input position some op needs as a host constant (shapes, axes...)."""
+    names = set()
+    for subgraph, _ in iter_graph_tree(graph, "graph"):
+        for node in subgraph.node:
+            domain = normalize_domain(node.domain)
+            handler = resolve(domain, node.op_type, opsets.get(domain, 0))
+            for index in handler.static_inputs if handler else ():
+                if index < len(node.input):
+                    names.add(node.input[index])
+    return names
+
+
+_PARAMETER_DTYPES = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+                     np.dtype(ml_dtypes.bfloat16)}
+
+
+def _is_float(array: np.ndarray) -> bool:
+    return array.dtype in _PARAMETER_DTYPES
+
+
+def _needs_eager(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_needs_eager(item) for item in value)
+    return isinstance(value, np.ndarray) and value.dtype.kind in "OUS"
+
+
+def _signature(inputs: Mapping[str, Any]) -> Any:
+    leaves, structure = jax.tree_util.tree_flatten(inputs)
+    return structure, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves)
+
+
+class TranslatedModel:
+    """fn(params, inputs, key=None) -> {output name: value}; jit- and grad-able."""
+
+    def __init__(self, model: ModelProto, params: Iterable[str] | None = None):
+        self.name = model.graph.name or "model"
+        opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+        translator = Translator(opsets, model.functions)
+        initializers = graph_initializers(model.graph)
+        static = _static_names(model.graph, opsets)
+        if params is None:
+            params = [n for n, v in initializers.items() if _is_float(v) and n not in static]
+        unknown = sorted(set(params) - set(initializers))
+        if unknown:
+            raise InputError(f"params {unknown} are not initializers of the model")
+        with jax.enable_x64(True):
+            self.params = {name: jax.numpy.asarray(initializers[name]) for name in params}
+        constants = {n: v for n, v in initializers.items() if n not in self.params}
+        self.plan = translator.plan(model.graph, constants)
+        translator.check_complete(f"model {self.name!r}")
+        self.input_names = [name for name in self.plan.inputs if name not in initializers]
+        self.output_names = list(self.plan.outputs)
+        self._jitted = jax.jit(self._traced)
+        self._eager_signatures: set[Any] = set()
+
+    def _input_values(self, params: Mapping[str, Any], inputs: Mapping[str, Any]) -> list[Any]:
+        unknown = sorted(set(inputs) - set(self.plan.inputs))
+        missing = [n for n in self.input_names if n not in inputs]
+        if unknown or missing:
+            raise InputError(
+                f"model {self.name!r} takes inputs {self.input_names}; "
+                + (f"missing {missing}" if missing else "")
+                + ("; " if unknown and missing else "")
+                + (f"unknown {unknown}" if unknown else ""))
+        values = []
+        for name in self.plan.inputs:
+            if name in inputs:
+                values.append(inputs[name])
+            elif name in params:
+                values.append(params[name])
+            else:
+                values.append(self.plan.constants[name])
+        return values
+
+    def apply(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
+              key: jax.Array | None = None, eager: bool = False) -> dict[str, Any]:
+        """The model's outputs; traceable (jit, grad, vmap) unless eager."""
+        evaluation = Evaluation(key, eager)
+        outputs = evaluate_plan(self.plan, self._input_values(params, inputs), params, evaluation)
+        return dict(zip(self.output_names, outputs))
+
+    def _traced(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
+                key: jax.Array | None) -> dict[str, Any]:
+        return self.apply(params, inputs, key)
+
+    def __call__(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
+                 key: jax.Array | None = None) -> dict[str, Any]:
+        """Run the model: compiled once per input signature, eagerly where it must."""
+        with jax.enable_x64(True):
+            signature = _signature(inputs)
+            if signature not in self._eager_signatures and not _needs_eager(list(inputs.values())):
+                try:
+                    return self._jitted(params, inputs, key)
+                except NeedsHostValues as reason:
+                    logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
+                                   self.name, reason)
+                    self._eager_signatures.add(signature)
+            host_params = {name: to_host(value) for name, value in params.items()}
+            host_inputs = {name: to_host(value) for name, value in inputs.items()}
+            return self.apply(host_params, host_inputs, key, eager=True)

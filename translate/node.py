@@ -1,0 +1,180 @@
+"""What an op handler sees of its node: decoded attributes, opset, PRNG, subgraphs.
+
+Attributes are decoded once, when the model is translated, into plain Python
+values: float, int, str, numpy arrays (tensors), GraphProto, TypeProto, or
+lists of those. A handler is called as fn(node, *inputs) with a Node, the
+per-call view of a NodeSpec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from onnxtrain.errors import ModelLoadError, UnsupportedOpError
+from onnxtrain.proto import AttributeProto, NodeProto
+from onnxtrain.translate.tensors import tensor_to_numpy
+
+_REQUIRED = object()
+
+
+def node_label(proto: NodeProto) -> str:
+    """How messages name a node: its name and op, or just the op when unnamed."""
+    op = f"{proto.domain}::{proto.op_type}" if proto.domain not in ("", "ai.onnx") else proto.op_type
+    return f"node {proto.name!r} ({op})" if proto.name else f"unnamed {op} node"
+
+
+def _text(value: bytes) -> str | bytes:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value
+
+
+def _sparse_to_dense(sparse, where: str):
+    import numpy as np
+
+    values = tensor_to_numpy(sparse.values, where)
+    indices = tensor_to_numpy(sparse.indices, where).astype(np.int64)
+    dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+    if indices.ndim == 1:
+        dense.reshape(-1)[indices] = values
+    else:
+        dense[tuple(indices.T)] = values
+    return dense
+
+
+def decode_attribute(attribute: AttributeProto, where: str) -> Any:
+    """The Python value of an AttributeProto (see module docstring)."""
+    kind = attribute.type
+    if kind == AttributeProto.FLOAT:
+        return attribute.f
+    if kind == AttributeProto.INT:
+        return attribute.i
+    if kind == AttributeProto.STRING:
+        return _text(attribute.s)
+    if kind == AttributeProto.TENSOR:
+        return tensor_to_numpy(attribute.t, f"attribute {attribute.name!r} of {where}")
+    if kind == AttributeProto.GRAPH:
+        return attribute.g
+    if kind == AttributeProto.SPARSE_TENSOR:
+        return _sparse_to_dense(attribute.sparse_tensor, f"attribute {attribute.name!r} of {where}")
+    if kind == AttributeProto.TYPE_PROTO:
+        return attribute.tp
+    if kind == AttributeProto.FLOATS:
+        return list(attribute.floats)
+    if kind == AttributeProto.INTS:
+        return list(attribute.ints)
+    if kind == AttributeProto.STRINGS:
+        return [_text(s) for s in attribute.strings]
+    if kind == AttributeProto.TENSORS:
+        return [tensor_to_numpy(t, f"attribute {attribute.name!r} of {where}") for t in attribute.tensors]
+    if kind == AttributeProto.GRAPHS:
+        return list(attribute.graphs)
+    if kind == AttributeProto.SPARSE_TENSORS:
+        return [_sparse_to_dense(s, where) for s in attribute.sparse_tensors]
+    if kind == AttributeProto.TYPE_PROTOS:
+        return list(attribute.type_protos)
+    raise ModelLoadError(f"attribute {attribute.name!r} of {where} has no type (UNDEFINED)")
+
+
+@dataclass
+class NodeSpec:
+    """A node as translated once: its handler, opset, decoded attributes, subgraph plans."""
+
+    proto: NodeProto
+    label: str
+    opset: int
+    attrs: dict[str, Any]
+    # Either an OpHandler's fn or a model-local function's evaluator.
+    call: Callable
+    static_inputs: tuple[int, ...] = ()
+    random: bool = False
+    differentiable: bool = True
+    subgraphs: dict[str, Any] = field(default_factory=dict)
+
+
+class Evaluation:
+    """State of one run of a graph: the PRNG key and whether we run eagerly."""
+
+    def __init__(self, key: jax.Array | None, eager: bool):
+        self._key = key
+        self.eager = eager
+
+    def next_key(self, label: str) -> jax.Array:
+        if self._key is None:
+            raise ModelLoadError(f"{label} draws random numbers but no PRNG key was given")
+        self._key, subkey = jax.random.split(self._key)
+        return subkey
+
+
+class Node:
+    """The per-call view a handler gets: attributes, opset, host flag, PRNG, subgraphs."""
+
+    __slots__ = ("spec", "evaluation", "scope", "host")
+
+    def __init__(self, spec: NodeSpec, evaluation: Evaluation, scope: Mapping[str, Any], host: bool):
+        self.spec = spec
+        self.evaluation = evaluation
+        self.scope = scope
+        # True when every input is a host constant: the handler may use numpy.
+        self.host = host
+
+    @property
+    def opset(self) -> int:
+        return self.spec.opset
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def op_type(self) -> str:
+        return self.spec.proto.op_type
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.spec.proto.output)
+
+    @property
+    def input_names(self) -> Sequence[str]:
+        return self.spec.proto.input
+
+    def output_used(self, index: int) -> bool:
+        outputs = self.spec.proto.output
+        return index < len(outputs) and outputs[index] != ""
+
+    def attr(self, name: str, default: Any = _REQUIRED) -> Any:
+        if name in self.spec.attrs:
+            return self.spec.attrs[name]
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{self.label}: required attribute {name!r} is missing")
+        return default
+
+    def has_attr(self, name: str) -> bool:
+        return name in self.spec.attrs
+
+    def next_key(self) -> jax.Array:
+        """A fresh PRNG key for a random op; the evaluation's key advances."""
+        return self.evaluation.next_key(self.label)
+
+    def run_subgraph(self, attr_name: str, inputs: Sequence[Any]) -> list[Any]:
+        """Evaluate a graph attribute with `inputs`; outer-scope names stay visible."""
+        from onnxtrain.translate.graph import evaluate_plan
+
+        plan = self.spec.subgraphs[attr_name]
+        return evaluate_plan(plan, inputs, self.scope, self.evaluation)
+
+    def subgraph_plan(self, attr_name: str):
+        return self.spec.subgraphs[attr_name]
+
+    def error(self, message: str) -> ModelLoadError:
+        """An error naming this node, for handlers to raise on invalid models."""
+        return ModelLoadError(f"{self.label}: {message}")
+
+    def unsupported(self, message: str) -> UnsupportedOpError:
+        """An error naming this node, for valid configurations onnxtrain cannot run."""
+        return UnsupportedOpError(f"{self.label}: {message}")

@@ -1,0 +1,85 @@
+"""Op handlers keyed by (domain, op_type, since_version).
+
+A model declares one opset version per domain; the handler used for a node is
+the newest one whose since_version is <= that version. So a handler written
+for Softmax-13 serves opsets 13..N until a Softmax-M handler is added, and an
+opset bump in ONNX costs nothing unless the op's semantics changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+DEFAULT_DOMAIN = ""
+ML_DOMAIN = "ai.onnx.ml"
+TRAINING_DOMAIN = "ai.onnx.preview.training"
+
+
+def normalize_domain(domain: str) -> str:
+    """'' and 'ai.onnx' name the same default domain."""
+    return DEFAULT_DOMAIN if domain in ("", "ai.onnx") else domain
+
+
+@dataclass(frozen=True)
+class OpHandler:
+    """One implementation of an operator, valid from `since_version` on.
+
+    static_inputs: input positions whose values must be host constants
+    (shapes, axes, sizes); the translator keeps initializers feeding them out
+    of the traced parameters and reports a clear error otherwise.
+    random: the op draws from the PRNG key, so it is never folded on the host.
+    """
+
+    domain: str
+    op_type: str
+    since_version: int
+    fn: Callable
+    static_inputs: tuple[int, ...] = ()
+    random: bool = False
+    differentiable: bool = True
+
+
+_HANDLERS: dict[tuple[str, str], list[OpHandler]] = {}
+
+
+def op(
+    op_type: str,
+    since: int = 1,
+    domain: str = DEFAULT_DOMAIN,
+    *,
+    static_inputs: Iterable[int] = (),
+    random: bool = False,
+    differentiable: bool = True,
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the handler of op_type from opset `since` on.
+
+    The function is called as fn(node, *inputs) and returns one value or a
+    tuple/list of values (one per output); see translate.node.NodeContext.
+    Stacking decorators registers one function under several ops or versions.
+    """
+
+    def register(fn: Callable) -> Callable:
+        handler = OpHandler(normalize_domain(domain), op_type, since, fn,
+                            tuple(static_inputs), random, differentiable)
+        versions = _HANDLERS.setdefault((handler.domain, op_type), [])
+        if any(h.since_version == since for h in versions):
+            raise ValueError(f"{domain or 'ai.onnx'}::{op_type} since {since} registered twice")
+        versions.append(handler)
+        versions.sort(key=lambda h: h.since_version)
+        return fn
+
+    return register
+
+
+def resolve(domain: str, op_type: str, opset_version: int) -> OpHandler | None:
+    """The newest handler with since_version <= opset_version, or None."""
+    versions = _HANDLERS.get((normalize_domain(domain), op_type), [])
+    usable = [h for h in versions if h.since_version <= opset_version]
+    return usable[-1] if usable else None
+
+
+def registered() -> dict[tuple[str, str], list[int]]:
+    """(domain, op_type) -> the since_versions implemented; for coverage reports."""
+    return {key: [h.since_version for h in versions] for key, versions in _HANDLERS.items()}
+
