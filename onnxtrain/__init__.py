@@ -11,6 +11,7 @@ from onnxtrain.errors import (
     OnnxTrainError,
     UnsupportedOpError,
 )
+from onnxtrain.inference import run, translate_model
 from onnxtrain.model import load_model, save_model
 
 __version__ = "0.1.0"
@@ -23,5 +24,7 @@ __all__ = [
     "OnnxTrainError",
     "UnsupportedOpError",
     "load_model",
+    "run",
     "save_model",
+    "translate_model",
 ]

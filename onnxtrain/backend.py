@@ -20,8 +20,8 @@ from onnxtrain.translate.model import TranslatedModel
 class OnnxTrainRep(BackendRep):
     """A prepared model: translated once, compiled per input signature."""
 
-    def __init__(self, model: Any, seed: int = 0):
-        self.translated = TranslatedModel(load_model(model))
+    def __init__(self, model: Any, seed: int = 0, jit: bool = True):
+        self.translated = TranslatedModel(load_model(model), jit=jit)
         self.key = jax.random.key(seed)
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -42,6 +42,8 @@ def _to_numpy(value: Any) -> Any:
         return None
     if isinstance(value, (list, tuple)):
         return [_to_numpy(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_numpy(item) for key, item in value.items()}
     return np.asarray(value)
 
 
@@ -53,7 +55,7 @@ class OnnxTrainBackend(Backend):
     @classmethod
     def prepare(cls, model: Any, device: str = "CPU", **kwargs: Any) -> OnnxTrainRep:
         super().prepare(model, device, **kwargs)
-        return OnnxTrainRep(model)
+        return OnnxTrainRep(model, jit=kwargs.get("jit", True))
 
     @classmethod
     def run_model(cls, model: Any, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple[Any, ...]:

@@ -19,10 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from onnxtrain.errors import ModelLoadError, UnsupportedOpError
 from onnxtrain.proto import FunctionProto, GraphProto, NodeProto
-from onnxtrain.translate.node import Evaluation, Node, NodeSpec, decode_attribute, node_label
+from onnxtrain.translate.node import (
+    Evaluation,
+    Node,
+    NodeSpec,
+    decode_attribute,
+    node_label,
+    sparse_to_dense,
+)
+from onnxtrain.translate.tensors import tensor_to_numpy
 from onnxtrain.translate.registry import normalize_domain, resolve
 from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
 
@@ -35,8 +44,16 @@ class GraphPlan:
     inputs: list[str]
     outputs: list[str]
     nodes: list[NodeSpec]
-    # Values defined by the graph itself (initializers, Constant-free): name -> host array.
+    # The graph's own initializers that are not parameters: name -> host array.
     constants: dict[str, Any]
+
+
+def graph_initializers(graph: GraphProto) -> dict[str, np.ndarray]:
+    """Dense and sparse initializers of a graph as numpy arrays, by name."""
+    values = {t.name: tensor_to_numpy(t, f"initializer {t.name!r}") for t in graph.initializer}
+    for sparse in graph.sparse_initializer:
+        values[sparse.values.name] = sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
+    return values
 
 
 class Translator:
@@ -77,7 +94,8 @@ class Translator:
         for attribute in node.attribute:
             if attribute.type == attribute.GRAPH:
                 spec.subgraphs[attribute.name] = self.plan(
-                    attribute.g, opsets=opsets, where=f"attribute {attribute.name!r} of {label}")
+                    attribute.g, graph_initializers(attribute.g), opsets,
+                    f"attribute {attribute.name!r} of {label}")
         return spec
 
     def _function_spec(self, node: NodeProto, function: FunctionProto, attrs: dict[str, Any],
@@ -177,6 +195,8 @@ def _concrete_to_host(result: Any) -> Any:
         return result
     if isinstance(result, list):
         return [_concrete_to_host(item) for item in result]
+    if isinstance(result, dict):
+        return {key: _concrete_to_host(item) for key, item in result.items()}
     return to_host(result)
 
 

@@ -22,21 +22,12 @@ from onnxtrain.errors import InputError
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
 from onnxtrain.translate import ops  # noqa: F401 - registers every op handler
-from onnxtrain.translate.graph import Translator, evaluate_plan
-from onnxtrain.translate.node import Evaluation, _sparse_to_dense
+from onnxtrain.translate.graph import Translator, evaluate_plan, graph_initializers
+from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.registry import normalize_domain, resolve
-from onnxtrain.translate.tensors import tensor_to_numpy
 from onnxtrain.translate.values import NeedsHostValues, to_host
 
 logger = logging.getLogger("onnxtrain")
-
-
-def graph_initializers(graph: GraphProto) -> dict[str, np.ndarray]:
-    """Dense and sparse initializers of a graph as numpy arrays, by name."""
-    values = {t.name: tensor_to_numpy(t, f"initializer {t.name!r}") for t in graph.initializer}
-    for sparse in graph.sparse_initializer:
-        values[sparse.values.name] = _sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
-    return values
 
 
 def _static_names(graph: GraphProto, opsets: Mapping[str, int]) -> set[str]:
@@ -60,10 +51,17 @@ def _is_float(array: np.ndarray) -> bool:
     return array.dtype in _PARAMETER_DTYPES
 
 
-def _needs_eager(value: Any) -> bool:
+# Element types XLA cannot hold: strings, and the 6-bit floats (no XLA primitive yet).
+_HOST_ONLY_DTYPES = {np.dtype(ml_dtypes.float6_e2m3fn), np.dtype(ml_dtypes.float6_e3m2fn)}
+
+
+def _host_only(value: Any) -> bool:
+    """True for values that cannot enter or leave a jitted function."""
     if isinstance(value, (list, tuple)):
-        return any(_needs_eager(item) for item in value)
-    return isinstance(value, np.ndarray) and value.dtype.kind in "OUS"
+        return any(_host_only(item) for item in value)
+    if isinstance(value, dict):
+        return True
+    return isinstance(value, np.ndarray) and (value.dtype.kind in "OUS" or value.dtype in _HOST_ONLY_DTYPES)
 
 
 def _signature(inputs: Mapping[str, Any]) -> Any:
@@ -74,8 +72,11 @@ def _signature(inputs: Mapping[str, Any]) -> Any:
 class TranslatedModel:
     """fn(params, inputs, key=None) -> {output name: value}; jit- and grad-able."""
 
-    def __init__(self, model: ModelProto, params: Iterable[str] | None = None):
+    def __init__(self, model: ModelProto, params: Iterable[str] | None = None, jit: bool = True):
+        """jit=False runs every call op by op, each op's result rounded to its dtype:
+        slower, but free of XLA's cross-op fusion (for debugging numerics)."""
         self.name = model.graph.name or "model"
+        self.jit = jit
         opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         translator = Translator(opsets, model.functions)
         initializers = graph_initializers(model.graph)
@@ -123,20 +124,26 @@ class TranslatedModel:
 
     def _traced(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
                 key: jax.Array | None) -> dict[str, Any]:
-        return self.apply(params, inputs, key)
+        outputs = self.apply(params, inputs, key)
+        for name, value in outputs.items():
+            if _host_only(value):
+                raise NeedsHostValues(f"output {name!r}", "is a string tensor, a map or a 6-bit "
+                                      "float, which a compiled function cannot return")
+        return outputs
 
     def __call__(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
                  key: jax.Array | None = None) -> dict[str, Any]:
         """Run the model: compiled once per input signature, eagerly where it must."""
         with jax.enable_x64(True):
-            signature = _signature(inputs)
-            if signature not in self._eager_signatures and not _needs_eager(list(inputs.values())):
+            eager = not self.jit or (
+                bool(self._eager_signatures) and _signature(inputs) in self._eager_signatures)
+            if not eager and not _host_only(list(inputs.values())):
                 try:
                     return self._jitted(params, inputs, key)
                 except NeedsHostValues as reason:
                     logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
                                    self.name, reason)
-                    self._eager_signatures.add(signature)
+                    self._eager_signatures.add(_signature(inputs))
             host_params = {name: to_host(value) for name, value in params.items()}
             host_inputs = {name: to_host(value) for name, value in inputs.items()}
             return self.apply(host_params, host_inputs, key, eager=True)

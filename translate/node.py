@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 from onnxtrain.errors import ModelLoadError, UnsupportedOpError
-from onnxtrain.proto import AttributeProto, NodeProto
+from onnxtrain.proto import AttributeProto, NodeProto, SparseTensorProto
 from onnxtrain.translate.tensors import tensor_to_numpy
 
 _REQUIRED = object()
@@ -34,9 +35,8 @@ def _text(value: bytes) -> str | bytes:
         return value
 
 
-def _sparse_to_dense(sparse, where: str):
-    import numpy as np
-
+def sparse_to_dense(sparse: SparseTensorProto, where: str) -> np.ndarray:
+    """A SparseTensorProto as a dense numpy array (indices [NNZ] linear or [NNZ, rank])."""
     values = tensor_to_numpy(sparse.values, where)
     indices = tensor_to_numpy(sparse.indices, where).astype(np.int64)
     dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
@@ -61,7 +61,7 @@ def decode_attribute(attribute: AttributeProto, where: str) -> Any:
     if kind == AttributeProto.GRAPH:
         return attribute.g
     if kind == AttributeProto.SPARSE_TENSOR:
-        return _sparse_to_dense(attribute.sparse_tensor, f"attribute {attribute.name!r} of {where}")
+        return sparse_to_dense(attribute.sparse_tensor, f"attribute {attribute.name!r} of {where}")
     if kind == AttributeProto.TYPE_PROTO:
         return attribute.tp
     if kind == AttributeProto.FLOATS:
@@ -75,7 +75,7 @@ def decode_attribute(attribute: AttributeProto, where: str) -> Any:
     if kind == AttributeProto.GRAPHS:
         return list(attribute.graphs)
     if kind == AttributeProto.SPARSE_TENSORS:
-        return [_sparse_to_dense(s, where) for s in attribute.sparse_tensors]
+        return [sparse_to_dense(s, where) for s in attribute.sparse_tensors]
     if kind == AttributeProto.TYPE_PROTOS:
         return list(attribute.type_protos)
     raise ModelLoadError(f"attribute {attribute.name!r} of {where} has no type (UNDEFINED)")

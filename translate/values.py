@@ -6,7 +6,7 @@ A value flowing through a translated graph is one of:
   computed only from those). Ops on host constants are evaluated right away,
   so Reshape/Slice/Expand/Resize chains get static shapes under jit;
 - a JAX array or tracer: a value computed on the device;
-- a Python list of values: an ONNX sequence;
+- a Python list of values: an ONNX sequence (a dict: an ONNX map, from ZipMap);
 - None: an omitted optional input, or an empty optional.
 
 Ops whose output shape depends on the data (NonZero, Unique, ...) and string
@@ -37,6 +37,8 @@ def is_host(value: Any) -> bool:
         return True
     if isinstance(value, list):
         return all(is_host(item) for item in value)
+    if isinstance(value, dict):
+        return all(is_host(item) for item in value.values())
     return False
 
 
@@ -50,4 +52,6 @@ def to_host(value: Any) -> Any:
         return value
     if isinstance(value, (list, tuple)):
         return [to_host(item) for item in value]
+    if isinstance(value, dict):
+        return {key: to_host(item) for key, item in value.items()}
     return np.asarray(value)

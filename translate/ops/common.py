@@ -25,6 +25,11 @@ def normalize_axes(axes: Sequence[int], rank: int) -> list[int]:
     return [normalize_axis(int(a), rank) for a in axes]
 
 
+def float_attr(node: Any, name: str, default: float) -> float:
+    """A float attribute; its default rounded to float32, as ONNX stores float attributes."""
+    return float(node.attr(name, np.float32(default)))
+
+
 def host_ints(node: Any, value: Any, what: str) -> list[int]:
     """A host-constant integer tensor as a list of Python ints (shapes, axes, pads...)."""
     if not isinstance(value, np.ndarray):

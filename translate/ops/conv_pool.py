@@ -1,0 +1,584 @@
+"""Convolutions and pooling: Conv, ConvTranspose, DeformConv, CausalConvWithState,
+MaxPool, AveragePool, LpPool, their Global forms, MaxUnpool and Col2Im.
+
+Spatial attributes (kernel_shape, strides, dilations, pads, auto_pad) are static, so
+padding and output sizes are plain Python ints computed while tracing; the device
+work is lax.conv_general_dilated, lax.reduce_window, strided slices and gathers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from onnxtrain.translate.ops.common import host_ints
+from onnxtrain.translate.registry import op
+
+AUTO_PAD_MODES = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding window over the spatial axes, with its (low, high) padding per axis."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """How many input positions one window covers per axis, dilation included."""
+        return tuple((k - 1) * d + 1 for k, d in zip(self.kernel, self.dilations))
+
+    def output_sizes(self, sizes: Sequence[int], ceil_mode: bool = False) -> list[int]:
+        """Windows per axis; in ceil mode a last partial window counts unless it starts in the end pad."""
+        outputs = []
+        for size, span, stride, (low, high) in zip(sizes, self.spans, self.strides, self.pads):
+            room = size + low + high - span
+            count = (-(-room // stride) if ceil_mode else room // stride) + 1
+            if ceil_mode and (count - 1) * stride >= size + low:
+                count -= 1
+            outputs.append(count)
+        return outputs
+
+
+# ---------------------------------------------------------------------------
+# Attributes shared by every windowed op
+
+
+def spatial_ints(node: Any, name: str, rank: int, default: int) -> tuple[int, ...]:
+    """An ints attribute with one value per spatial axis, `default` everywhere when absent."""
+    values = node.attr(name, None)
+    if not values:
+        return (default,) * rank
+    if len(values) != rank:
+        raise node.error(f"{name} has {len(values)} values but the input has {rank} spatial axes")
+    return tuple(int(v) for v in values)
+
+
+def explicit_pads(node: Any, rank: int) -> tuple[tuple[int, int], ...]:
+    """The pads attribute [x1_begin, x2_begin, ..., x1_end, x2_end, ...] as (low, high) pairs."""
+    pads = node.attr("pads", None)
+    if not pads:
+        return ((0, 0),) * rank
+    if len(pads) != 2 * rank:
+        raise node.error(f"pads has {len(pads)} values; {2 * rank} expected (begin and end per spatial axis)")
+    if any(p < 0 for p in pads):
+        raise node.error(f"pads must not be negative, got {list(pads)}")
+    return tuple((int(pads[i]), int(pads[i + rank])) for i in range(rank))
+
+
+def same_pads(auto_pad: str, sizes: Sequence[int], spans: Sequence[int],
+              strides: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """SAME_UPPER/SAME_LOWER padding: ceil(size / stride) outputs, the odd pad at the end/start."""
+    pads = []
+    for size, span, stride in zip(sizes, spans, strides):
+        total = max(0, (-(-size // stride) - 1) * stride + span - size)
+        small, large = total // 2, total - total // 2
+        pads.append((small, large) if auto_pad == "SAME_UPPER" else (large, small))
+    return tuple(pads)
+
+
+def auto_pad_mode(node: Any) -> str:
+    mode = node.attr("auto_pad", "NOTSET")
+    if mode not in AUTO_PAD_MODES:
+        raise node.error(f"auto_pad must be one of {', '.join(AUTO_PAD_MODES)}, got {mode!r}")
+    return mode
+
+
+def window_of(node: Any, sizes: Sequence[int], kernel: Sequence[int]) -> Window:
+    """The window a conv or pool node slides over spatial `sizes`, auto_pad resolved."""
+    rank = len(sizes)
+    if len(kernel) != rank:
+        raise node.error(f"the kernel has {len(kernel)} spatial axes but the input has {rank}")
+    strides = spatial_ints(node, "strides", rank, 1)
+    dilations = spatial_ints(node, "dilations", rank, 1)
+    if min(strides + dilations, default=1) < 1:
+        raise node.error(f"strides and dilations must be positive, got {strides} and {dilations}")
+    kernel = tuple(int(k) for k in kernel)
+    mode = auto_pad_mode(node)
+    if mode == "NOTSET":
+        pads = explicit_pads(node, rank)
+    elif mode == "VALID":
+        pads = ((0, 0),) * rank
+    else:
+        spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+        pads = same_pads(mode, sizes, spans, strides)
+    return Window(kernel, strides, dilations, pads)
+
+
+def check_output_sizes(node: Any, outputs: Sequence[int], sizes: Sequence[int]) -> None:
+    if min(outputs, default=1) < 1:
+        raise node.error(f"the window does not fit the input: spatial sizes {list(sizes)} "
+                         f"give output sizes {list(outputs)}")
+
+
+def full_window(window: Window) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Window dimensions, strides and dilations over all axes (batch and channel get 1)."""
+    return (1, 1) + window.kernel, (1, 1) + window.strides, (1, 1) + window.dilations
+
+
+# ---------------------------------------------------------------------------
+# Convolutions
+
+
+def bias_shaped(bias: Any, rank: int) -> Any:
+    """A per-channel bias (C,) shaped to broadcast over (N, C, spatial...)."""
+    return jnp.reshape(bias, (1, -1) + (1,) * rank)
+
+
+def kernel_from_weights(node: Any, weights: Any) -> tuple[int, ...]:
+    kernel = tuple(int(k) for k in weights.shape[2:])
+    declared = node.attr("kernel_shape", None)
+    if declared and tuple(declared) != kernel:
+        raise node.error(f"kernel_shape {list(declared)} does not match the weights' spatial shape "
+                         f"{list(kernel)}")
+    return kernel
+
+
+def check_groups(node: Any, channels: int, weight_channels: int, group: int) -> None:
+    if group < 1 or channels != weight_channels * group:
+        raise node.error(f"input has {channels} channels; weights expect {weight_channels} per group "
+                         f"x {group} group(s)")
+
+
+@op("Conv", since=1)
+def conv(node: Any, x: Any, w: Any, b: Any = None) -> Any:
+    """Y = X (*) W + B: grouped, strided, dilated N-D cross-correlation with ONNX padding."""
+    rank = x.ndim - 2
+    group = node.attr("group", 1)
+    check_groups(node, x.shape[1], w.shape[1], group)
+    window = window_of(node, x.shape[2:], kernel_from_weights(node, w))
+    check_output_sizes(node, window.output_sizes(x.shape[2:]), x.shape[2:])
+    y = lax.conv_general_dilated(x, w, window.strides, window.pads,
+                                 rhs_dilation=window.dilations, feature_group_count=group)
+    return y if b is None else y + bias_shaped(b, rank)
+
+
+def transpose_pads(node: Any, window: Window, sizes: Sequence[int],
+                   output_padding: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """ConvTranspose (low, high) crops: from output_shape or SAME auto_pad if set, else pads."""
+    rank = len(sizes)
+    mode = auto_pad_mode(node)
+    output_shape = node.attr("output_shape", None)
+    if output_shape:
+        targets = [int(v) for v in output_shape][-rank:]
+    elif mode in ("SAME_UPPER", "SAME_LOWER"):
+        targets = [size * stride for size, stride in zip(sizes, window.strides)]
+    else:
+        return ((0, 0),) * rank if mode == "VALID" else explicit_pads(node, rank)
+    pads = []
+    for size, span, stride, extra, target in zip(sizes, window.spans, window.strides,
+                                                 output_padding, targets):
+        total = stride * (size - 1) + extra + span - target
+        small, large = total // 2, total - total // 2
+        pads.append((small, large) if mode == "SAME_UPPER" else (large, small))
+    return tuple(pads)
+
+
+def transposed_kernel(w: Any, group: int) -> Any:
+    """ConvTranspose weights (C, M/group, k...) as flipped Conv weights (M, C/group, k...)."""
+    channels, per_group_out = w.shape[:2]
+    spatial = w.shape[2:]
+    w = jnp.reshape(w, (group, channels // group, per_group_out) + spatial)
+    w = jnp.swapaxes(w, 1, 2)
+    w = jnp.reshape(w, (group * per_group_out, channels // group) + spatial)
+    return jnp.flip(w, axis=tuple(range(2, w.ndim)))
+
+
+@op("ConvTranspose", since=1)
+def conv_transpose(node: Any, x: Any, w: Any, b: Any = None) -> Any:
+    """The gradient of Conv w.r.t. its input: X dilated by strides, convolved with flipped W."""
+    rank = x.ndim - 2
+    group = node.attr("group", 1)
+    if group < 1 or x.shape[1] != w.shape[0] or w.shape[0] % group:
+        raise node.error(f"input has {x.shape[1]} channels but the weights have {w.shape[0]} "
+                         f"input channels for {group} group(s)")
+    window = window_of(node, x.shape[2:], kernel_from_weights(node, w))
+    output_padding = spatial_ints(node, "output_padding", rank, 0)
+    pads = transpose_pads(node, window, x.shape[2:], output_padding)
+    padding = [(span - 1 - low, span - 1 - high + extra)
+               for span, (low, high), extra in zip(window.spans, pads, output_padding)]
+    y = lax.conv_general_dilated(x, transposed_kernel(w, group), (1,) * rank, padding,
+                                 lhs_dilation=window.strides, rhs_dilation=window.dilations,
+                                 feature_group_count=group)
+    check_output_sizes(node, y.shape[2:], x.shape[2:])
+    return y if b is None else y + bias_shaped(b, rank)
+
+
+def kernel_offsets(kernel: Sequence[int]) -> np.ndarray:
+    """Every kernel position, row-major: shape (prod(kernel), rank)."""
+    return np.array(list(itertools.product(*(range(k) for k in kernel))), np.int64).reshape(-1, len(kernel))
+
+
+def sample_linear_zero_padded(planes: Any, positions: Sequence[Any]) -> Any:
+    """Multilinear interpolation of planes (B, G, C, *S) at positions[i] (B, G, P), zero outside.
+
+    Returns (B, G, C, P).
+    """
+    sizes = planes.shape[3:]
+    flat = jnp.reshape(planes, planes.shape[:3] + (-1,))
+    result = 0
+    lows = [jnp.floor(p) for p in positions]
+    for corner in itertools.product((0, 1), repeat=len(sizes)):
+        weight, index, inside = 1, 0, True
+        for axis, (size, position, low) in enumerate(zip(sizes, positions, lows)):
+            tap = low + corner[axis]
+            weight = weight * (1 - jnp.abs(position - tap))
+            inside = inside & (tap >= 0) & (tap <= size - 1)
+            index = index * size + jnp.clip(tap, 0, size - 1).astype(jnp.int32)
+        values = jnp.take_along_axis(flat, index[:, :, None, :], axis=3)
+        result = result + values * jnp.where(inside, weight, 0)[:, :, None, :].astype(planes.dtype)
+    return result
+
+
+@op("DeformConv", since=19)
+def deform_conv(node: Any, x: Any, w: Any, offset: Any, b: Any = None, mask: Any = None) -> Any:
+    """Conv whose every kernel tap samples X (bilinearly, zero outside) at a learned offset, times mask."""
+    batch, channels, *sizes = x.shape
+    rank = len(sizes)
+    group = node.attr("group", 1)
+    offset_group = node.attr("offset_group", 1)
+    check_groups(node, channels, w.shape[1], group)
+    kernel = kernel_from_weights(node, w)
+    window = window_of(node, sizes, kernel)
+    taps = math.prod(kernel)
+    outputs = tuple(offset.shape[2:])
+    if channels % offset_group or offset.shape[1] != offset_group * taps * rank:
+        raise node.error(f"offset has {offset.shape[1]} channels; {offset_group * taps * rank} expected "
+                         f"(offset_group x kernel positions x {rank}), and the {channels} channels "
+                         f"must divide by offset_group {offset_group}")
+    if list(outputs) != window.output_sizes(sizes):
+        raise node.error(f"offset spatial shape {list(outputs)} does not match the output shape "
+                         f"{window.output_sizes(sizes)} of the convolution")
+    grid = np.meshgrid(*(np.arange(n) for n in outputs), indexing="ij")
+    offset = jnp.reshape(offset, (batch, offset_group, taps, rank, -1))
+    positions = []
+    for axis in range(rank):
+        origin = grid[axis].reshape(-1) * window.strides[axis] - window.pads[axis][0]
+        base = origin[None, :] + kernel_offsets(kernel)[:, axis:axis + 1] * window.dilations[axis]
+        positions.append(jnp.reshape(base + offset[:, :, :, axis, :], (batch, offset_group, -1)))
+    planes = jnp.reshape(x, (batch, offset_group, channels // offset_group) + tuple(sizes))
+    columns = sample_linear_zero_padded(planes, positions)
+    columns = jnp.reshape(columns, (batch, offset_group, channels // offset_group, taps, -1))
+    if mask is not None:
+        columns = columns * jnp.reshape(mask, (batch, offset_group, 1, taps, -1))
+    columns = jnp.reshape(columns, (batch, group, channels // group, taps, -1))
+    weights = jnp.reshape(w, (group, w.shape[0] // group, channels // group, taps))
+    y = jnp.einsum("bgctp,gmct->bgmp", columns, weights)
+    y = jnp.reshape(y, (batch, w.shape[0]) + outputs).astype(x.dtype)
+    return y if b is None else y + bias_shaped(b, rank)
+
+
+CAUSAL_ACTIVATIONS = ("none", "silu", "swish")
+
+
+@op("CausalConvWithState", since=27)
+def causal_conv_with_state(node: Any, x: Any, w: Any, b: Any = None, past: Any = None) -> tuple:
+    """Depthwise causal 1-D conv over [past_state, input]; returns (output, last k-1 positions)."""
+    activation = node.attr("activation", "none")
+    if activation not in CAUSAL_ACTIVATIONS:
+        raise node.error(f"activation must be one of {', '.join(CAUSAL_ACTIVATIONS)}, got {activation!r}")
+    if x.ndim != 3 or w.ndim != 3 or w.shape[:2] != (x.shape[1], 1):
+        raise node.error(f"input must be (batch, channels, length) and weight (channels, 1, k); "
+                         f"got {x.shape} and {w.shape}")
+    batch, channels, _ = x.shape
+    history = w.shape[2] - 1
+    if past is None:
+        past = jnp.zeros((batch, channels, history), x.dtype)
+    elif past.shape != (batch, channels, history):
+        raise node.error(f"past_state must have shape {(batch, channels, history)}, got {past.shape}")
+    padded = jnp.concatenate([past, x], axis=2)
+    y = lax.conv_general_dilated(padded, w, (1,), [(0, 0)], feature_group_count=channels)
+    if b is not None:
+        y = y + bias_shaped(b, 1)
+    if activation != "none":
+        wide = y.astype(jnp.promote_types(y.dtype, jnp.float32))
+        y = (wide * jax.nn.sigmoid(wide)).astype(x.dtype)
+    return y, padded[:, :, padded.shape[2] - history:]
+
+
+# ---------------------------------------------------------------------------
+# Pooling
+
+
+def pool_window(node: Any, x: Any) -> tuple[Window, Window, list[int]]:
+    """A pooling node's declared window, the same window padded for ceil mode, and its output sizes.
+
+    In ceil mode the last, partial windows reach past the declared end pad; the
+    padded window covers them so lax.reduce_window produces every output.
+    """
+    sizes = x.shape[2:]
+    kernel = node.attr("kernel_shape", None)
+    if not kernel:
+        raise node.error("required attribute 'kernel_shape' is missing")
+    declared = window_of(node, sizes, kernel)
+    ceil_mode = bool(node.attr("ceil_mode", 0)) and auto_pad_mode(node) == "NOTSET"
+    outputs = declared.output_sizes(sizes, ceil_mode)
+    check_output_sizes(node, outputs, sizes)
+    pads = []
+    for size, span, stride, (low, high), count in zip(sizes, declared.spans, declared.strides,
+                                                       declared.pads, outputs):
+        needed = (count - 1) * stride + span - (size + low + high)
+        pads.append((low, high + max(needed, 0)))
+    extended = Window(declared.kernel, declared.strides, declared.dilations, tuple(pads))
+    return declared, extended, outputs
+
+
+def lowest(dtype: Any) -> Any:
+    """The identity of max for a dtype: -inf for floats, the minimum for integers."""
+    dtype = np.dtype(dtype)
+    return -np.inf if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min
+
+
+def reduce_windows(x: Any, window: Window, init: Any, computation: Any) -> Any:
+    dims, strides, dilations = full_window(window)
+    return lax.reduce_window(x, np.array(init, x.dtype), computation, dims, strides,
+                             ((0, 0), (0, 0)) + window.pads, window_dilation=dilations)
+
+
+def is_tiling(window: Window) -> bool:
+    """Windows that tile the input: kernel == stride, no padding, no dilation."""
+    return (window.kernel == window.strides and set(window.dilations) == {1}
+            and all(p == (0, 0) for p in window.pads))
+
+
+def max_of_strided_slices(x: Any, window: Window, outputs: Sequence[int]) -> Any:
+    """Max over tiling windows as an elementwise max of kernel-many strided slices.
+
+    XLA:CPU differentiates this much faster than reduce_window.
+    """
+    pieces = []
+    for start in itertools.product(*(range(k) for k in window.kernel)):
+        limit = [s + (n - 1) * k + 1 for s, n, k in zip(start, outputs, window.kernel)]
+        pieces.append(lax.slice(x, (0, 0) + start, tuple(x.shape[:2]) + tuple(limit), (1, 1) + window.kernel))
+    while len(pieces) > 1:
+        pairs = [jnp.maximum(a, b) for a, b in zip(pieces[::2], pieces[1::2])]
+        pieces = pairs + pieces[len(pairs) * 2:]
+    return pieces[0]
+
+
+def window_patches(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Any:
+    """Every window's elements stacked in front: (prod(kernel), N, C, *outputs), padding = fill."""
+    padded = lax.pad(x, np.array(fill, x.dtype), ((0, 0, 0), (0, 0, 0)) + tuple(
+        (low, high, 0) for low, high in window.pads))
+    patches = []
+    for position in itertools.product(*(range(k) for k in window.kernel)):
+        start = [p * d for p, d in zip(position, window.dilations)]
+        limit = [s + (n - 1) * stride + 1 for s, n, stride in zip(start, outputs, window.strides)]
+        patches.append(lax.slice(padded, (0, 0) + tuple(start), tuple(x.shape[:2]) + tuple(limit),
+                                 (1, 1) + window.strides))
+    return jnp.stack(patches)
+
+
+def window_inputs(window: Window, outputs: Sequence[int], axis: int) -> np.ndarray:
+    """Input position of each (kernel tap, output) along one axis: shape (kernel, outputs)."""
+    starts = np.arange(outputs[axis]) * window.strides[axis] - window.pads[axis][0]
+    return np.arange(window.kernel[axis])[:, None] * window.dilations[axis] + starts[None, :]
+
+
+def tap_positions(window: Window, outputs: Sequence[int], sizes: Sequence[int]) -> tuple[list, np.ndarray]:
+    """Per axis, the input position of every (tap, output), broadcastable to (taps, *outputs),
+    and whether each (tap, output) lies inside the input."""
+    rank = len(sizes)
+    taps = kernel_offsets(window.kernel)
+    positions, inside = [], np.ones((len(taps),) + tuple(outputs), bool)
+    for axis in range(rank):
+        shape = (len(taps),) + tuple(n if a == axis else 1 for a, n in enumerate(outputs))
+        along = window_inputs(window, outputs, axis)[taps[:, axis]].reshape(shape)
+        inside = inside & (along >= 0) & (along < sizes[axis])
+        positions.append(along)
+    return positions, inside
+
+
+def max_pool_indices(x: Any, window: Window, outputs: Sequence[int], column_major: bool) -> Any:
+    """MaxPool's Indices: the flat index into X of each window's first maximum.
+
+    Spatial offsets are row major, or column major (first axis fastest) when
+    storage_order=1; the batch and channel offsets are row major either way.
+    """
+    sizes = x.shape[2:]
+    rank = len(sizes)
+    patches = window_patches(x, window, outputs, lowest(x.dtype))
+    positions, inside = tap_positions(window, outputs, sizes)
+    flat, scale = np.zeros(inside.shape, np.int64), 1
+    for axis in (range(rank) if column_major else reversed(range(rank))):
+        flat = flat + positions[axis] * scale
+        scale *= sizes[axis]
+    best = jnp.max(patches, axis=0)
+    first = jnp.argmax(inside[:, None, None] & (patches == best[None]), axis=0)
+    spatial = jnp.asarray(flat.reshape(len(flat), -1))[first.reshape(x.shape[:2] + (-1,)),
+                                                       jnp.arange(math.prod(outputs))]
+    plane = np.arange(x.shape[0] * x.shape[1], dtype=np.int64).reshape(x.shape[:2] + (1,))
+    return jnp.reshape(plane * math.prod(sizes) + spatial, x.shape[:2] + tuple(outputs))
+
+
+@op("MaxPool", since=1)
+def max_pool(node: Any, x: Any) -> Any:
+    """The maximum of each window (padding never wins); optionally the flat index of each maximum."""
+    _, window, outputs = pool_window(node, x)
+    if is_tiling(window) and not node.output_used(1):
+        y = max_of_strided_slices(x, window, outputs)
+    else:
+        y = reduce_windows(x, window, lowest(x.dtype), lax.max)
+    if not node.output_used(1):
+        return y
+    storage_order = node.attr("storage_order", 0)
+    if storage_order not in (0, 1):
+        raise node.error(f"storage_order must be 0 (row major) or 1 (column major), got {storage_order}")
+    return y, lax.stop_gradient(max_pool_indices(x, window, outputs, bool(storage_order)))
+
+
+def window_counts(window: Window, outputs: Sequence[int], bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+    """How many of each window's taps fall in [low, high) per axis; shape (*outputs)."""
+    counts = np.ones((), np.int64)
+    for axis, (low, high) in enumerate(bounds):
+        along = window_inputs(window, outputs, axis)
+        per_axis = ((along >= low) & (along < high)).sum(axis=0)
+        counts = np.multiply.outer(counts, per_axis)
+    return counts
+
+
+def accumulation_dtype(dtype: Any) -> Any:
+    """Half-precision sums accumulate in float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+@op("AveragePool", since=1)
+def average_pool(node: Any, x: Any) -> Any:
+    """The mean of each window: over real elements, or pads too when count_include_pad=1."""
+    declared, window, outputs = pool_window(node, x)
+    sizes = x.shape[2:]
+    if node.attr("count_include_pad", 0):
+        bounds = [(-low, size + high) for size, (low, high) in zip(sizes, declared.pads)]
+    else:
+        bounds = [(0, size) for size in sizes]
+    counts = window_counts(window, outputs, bounds)
+    wide = x.astype(accumulation_dtype(x.dtype))
+    total = reduce_windows(wide, window, 0, lax.add)
+    return (total / counts.astype(wide.dtype)).astype(x.dtype)
+
+
+def lp_order(node: Any) -> Any:
+    """The p attribute (a float in opset 1, an int from opset 2 on); positive."""
+    p = node.attr("p", 2)
+    if p <= 0:
+        raise node.error(f"p must be positive, got {p}")
+    return p
+
+
+def lp_norm(power_sum: Any, p: Any) -> Any:
+    """(sum |x|^p)^(1/p) from the sum."""
+    return jnp.sqrt(power_sum) if p == 2 else power_sum ** (1.0 / p)
+
+
+def abs_power(x: Any, p: Any) -> Any:
+    return jnp.square(x) if p == 2 else jnp.abs(x) ** p
+
+
+@op("LpPool", since=1)
+def lp_pool(node: Any, x: Any) -> Any:
+    """The p-norm of each window, (sum |x|^p)^(1/p); padding adds nothing."""
+    p = lp_order(node)
+    _, window, _ = pool_window(node, x)
+    wide = x.astype(accumulation_dtype(x.dtype))
+    return lp_norm(reduce_windows(abs_power(wide, p), window, 0, lax.add), p).astype(x.dtype)
+
+
+def spatial_axes(x: Any) -> tuple[int, ...]:
+    return tuple(range(2, x.ndim))
+
+
+@op("GlobalAveragePool", since=1)
+def global_average_pool(node: Any, x: Any) -> Any:
+    """The mean over all spatial axes, kept as size-1 axes."""
+    wide = x.astype(accumulation_dtype(x.dtype))
+    return jnp.mean(wide, axis=spatial_axes(x), keepdims=True).astype(x.dtype)
+
+
+@op("GlobalMaxPool", since=1)
+def global_max_pool(node: Any, x: Any) -> Any:
+    """The maximum over all spatial axes, kept as size-1 axes."""
+    return jnp.max(x, axis=spatial_axes(x), keepdims=True)
+
+
+@op("GlobalLpPool", since=1)
+def global_lp_pool(node: Any, x: Any) -> Any:
+    """The p-norm over all spatial axes, kept as size-1 axes."""
+    p = lp_order(node)
+    wide = x.astype(accumulation_dtype(x.dtype))
+    power_sum = jnp.sum(abs_power(wide, p), axis=spatial_axes(x), keepdims=True)
+    return lp_norm(power_sum, p).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# MaxUnpool and Col2Im: scattering windows back
+
+
+@op("MaxUnpool", since=9, static_inputs=(2,))
+def max_unpool(node: Any, x: Any, indices: Any, output_shape: Any = None) -> Any:
+    """Zeros with X's values put back at MaxPool's flat indices.
+
+    The indices address the unpooled shape (size - 1) * stride - pads + kernel;
+    output_shape, when given, pads that at the end (as the ONNX backend cases expect).
+    """
+    rank = x.ndim - 2
+    kernel = node.attr("kernel_shape")
+    strides = spatial_ints(node, "strides", rank, 1)
+    pads = explicit_pads(node, rank)
+    if len(kernel) != rank:
+        raise node.error(f"kernel_shape has {len(kernel)} values for {rank} spatial axes")
+    unpooled = tuple(x.shape[:2]) + tuple(
+        (size - 1) * stride - low - high + k
+        for size, stride, (low, high), k in zip(x.shape[2:], strides, pads, kernel))
+    if indices.shape != x.shape:
+        raise node.error(f"indices have shape {indices.shape}; X has {x.shape}")
+    y = jnp.zeros(math.prod(unpooled), x.dtype)
+    y = y.at[jnp.reshape(indices, -1)].set(jnp.reshape(x, -1), mode="drop")
+    y = jnp.reshape(y, unpooled)
+    if output_shape is None:
+        return y
+    target = host_ints(node, output_shape, "output_shape")
+    if len(target) != x.ndim or any(t < u for t, u in zip(target, unpooled)):
+        raise node.error(f"output_shape {target} must have rank {x.ndim} and be at least the "
+                         f"unpooled shape {list(unpooled)}")
+    return jnp.pad(y, [(0, t - u) for t, u in zip(target, unpooled)])
+
+
+@op("Col2Im", since=18, static_inputs=(1, 2))
+def col2im(node: Any, x: Any, image_shape: Any, block_shape: Any) -> Any:
+    """Sums column blocks (N, C*prod(block), L) back into images (N, C, *image_shape)."""
+    image = host_ints(node, image_shape, "image_shape")
+    block = host_ints(node, block_shape, "block_shape")
+    rank = len(image)
+    if len(block) != rank:
+        raise node.error(f"image_shape has {rank} values but block_shape has {len(block)}")
+    window = window_of(node, image, block)
+    blocks = window.output_sizes(image)
+    taps = math.prod(block)
+    batch, rows, count = x.shape
+    if rows % taps or count != math.prod(blocks):
+        raise node.error(f"input shape {x.shape} does not hold C x {taps} rows and "
+                         f"{math.prod(blocks)} blocks ({blocks}) for this image and block")
+    columns = jnp.reshape(x, (batch, rows // taps, taps) + tuple(blocks))
+    padded = [size + low + high for size, (low, high) in zip(image, window.pads)]
+    total = 0
+    for tap, position in enumerate(itertools.product(*(range(k) for k in block))):
+        config = [(0, 0, 0), (0, 0, 0)]
+        for axis, p in enumerate(position):
+            low = p * window.dilations[axis]
+            covered = (blocks[axis] - 1) * window.strides[axis] + 1
+            config.append((low, padded[axis] - low - covered, window.strides[axis] - 1))
+        total = total + lax.pad(columns[:, :, tap], np.array(0, x.dtype), config)
+    starts = (0, 0) + tuple(low for low, _ in window.pads)
+    sizes = (batch, rows // taps) + tuple(image)
+    return lax.slice(total, starts, tuple(s + n for s, n in zip(starts, sizes)))

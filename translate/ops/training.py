@@ -1,0 +1,127 @@
+"""Optimizers of ai.onnx.preview.training v1: Adagrad, Momentum, Adam.
+
+Each takes a learning rate R and an int64 step count T, then n tensors X, their
+gradients G and one or two state slots per tensor, in blocks of n (X1..Xn,
+G1..Gn, ...); it returns the new tensors followed by the new states, block by
+block. Every tensor is updated on its own, element-wise. T means something
+different per op: Adagrad decays R with it, Momentum scales G by beta only from
+T > 0 on, Adam applies bias correction only from T > 0 on (feed it 1-based).
+Scalar coefficients are computed in float64 from the attributes as stored
+(float32) and cast to each tensor's dtype, which every output keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from onnxtrain.translate.registry import TRAINING_DOMAIN, op
+
+
+def _blocks(node: Any, tensors: Sequence[Any], per_tensor: int) -> list[tuple[Any, ...]]:
+    """Regroup X1..Xn, G1..Gn, S1..Sn, ... into one (X, G, S, ...) tuple per tensor."""
+    if not tensors or len(tensors) % per_tensor:
+        names = ", ".join(["X", "G", "V", "H"][:per_tensor])
+        raise node.error(
+            f"takes R, T and then {per_tensor} blocks of n tensors ({names}), so the number of "
+            f"inputs after R and T must be a positive multiple of {per_tensor}; got {len(tensors)}")
+    count = len(tensors) // per_tensor
+    return [tuple(tensors[block * count + index] for block in range(per_tensor))
+            for index in range(count)]
+
+
+def _unblock(updates: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """Per-tensor (X_new, S_new, ...) tuples back to X1_new..Xn_new, S1_new..Sn_new, ..."""
+    return tuple(value for block in zip(*updates) for value in block)
+
+
+def _step_count(t: Any) -> jax.Array:
+    """T as a float64 scalar (it is an int64 tensor in the model)."""
+    return jnp.asarray(t).astype(jnp.float64).reshape(())
+
+
+def _coefficient(value: Any, like: Any) -> jax.Array:
+    """A float64 scalar cast to the dtype of the tensor it multiplies."""
+    return jnp.asarray(value, jnp.float64).astype(jnp.asarray(like).dtype)
+
+
+def _update_all(node: Any, r: Any, t: Any, tensors: Sequence[Any], per_tensor: int,
+                update: Callable[..., tuple[Any, ...]]) -> tuple[Any, ...]:
+    rate = jnp.asarray(r).astype(jnp.float64).reshape(())
+    step = _step_count(t)
+    blocks = _blocks(node, tensors, per_tensor)
+    return _unblock([update(rate, step, *[jnp.asarray(v) for v in block]) for block in blocks])
+
+
+@op("Adagrad", since=1, domain=TRAINING_DOMAIN)
+def adagrad(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
+    """X -= R/(1+T*decay) * G' / (sqrt(H + G'^2) + eps), H += G'^2, with G' = G + nc*X."""
+    norm = node.attr("norm_coefficient", 0.0)
+    decay = node.attr("decay_factor", 0.0)
+    epsilon = node.attr("epsilon", 1e-6)
+
+    def update(rate, step, x, g, h):
+        g_reg = g + _coefficient(norm, x) * x
+        h_new = h + (g_reg * g_reg).astype(h.dtype)
+        decayed_rate = _coefficient(rate / (1.0 + step * decay), x)
+        root = jnp.sqrt(h_new).astype(x.dtype) + _coefficient(epsilon, x)
+        return (x - decayed_rate * g_reg / root).astype(x.dtype), h_new
+
+    return _update_all(node, r, t, tensors, 3, update)
+
+
+_MOMENTUM_MODES = ("standard", "nesterov")
+
+
+@op("Momentum", since=1, domain=TRAINING_DOMAIN)
+def momentum(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
+    """V = alpha*V + beta'*G' (beta' = 1 at T == 0), with G' = G + nc*X; X -= R*V (standard)
+    or X -= R*(G' + alpha*V) (nesterov)."""
+    alpha = node.attr("alpha")
+    beta = node.attr("beta")
+    norm = node.attr("norm_coefficient")
+    mode = node.attr("mode")
+    if mode not in _MOMENTUM_MODES:
+        raise node.error(f"mode must be 'standard' or 'nesterov', got {mode!r}")
+
+    def update(rate, step, x, g, v):
+        g_reg = g + _coefficient(norm, x) * x
+        gradient_scale = _coefficient(jnp.where(step > 0, beta, 1.0), v)
+        v_new = (_coefficient(alpha, v) * v + gradient_scale * g_reg).astype(v.dtype)
+        direction = v_new if mode == "standard" else g_reg + _coefficient(alpha, x) * v_new
+        return (x - _coefficient(rate, x) * direction).astype(x.dtype), v_new
+
+    return _update_all(node, r, t, tensors, 3, update)
+
+
+@op("Adam", since=1, domain=TRAINING_DOMAIN)
+def adam(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
+    """V = alpha*V + (1-alpha)*G', H = beta*H + (1-beta)*G'^2 with G' = G + nc*X;
+    X = (1-nc_post) * (X - R' * V / (sqrt(H) + eps)), R' bias-corrected only when T > 0."""
+    alpha = node.attr("alpha", 0.9)
+    beta = node.attr("beta", 0.999)
+    epsilon = node.attr("epsilon", 1e-6)
+    norm = node.attr("norm_coefficient", 0.0)
+    norm_post = node.attr("norm_coefficient_post", 0.0)
+
+    def update(rate, step, x, g, v, h):
+        g_reg = g + _coefficient(norm, x) * x
+        v_new = (_coefficient(alpha, v) * v + _coefficient(1.0 - alpha, v) * g_reg).astype(v.dtype)
+        h_new = (_coefficient(beta, h) * h
+                 + _coefficient(1.0 - beta, h) * g_reg * g_reg).astype(h.dtype)
+        root = jnp.sqrt(h_new).astype(x.dtype) + _coefficient(epsilon, x)
+        corrected_rate = _coefficient(_bias_corrected_rate(rate, step, alpha, beta), x)
+        x_new = x - corrected_rate * v_new.astype(x.dtype) / root
+        return (_coefficient(1.0 - norm_post, x) * x_new).astype(x.dtype), v_new, h_new
+
+    return _update_all(node, r, t, tensors, 4, update)
+
+
+def _bias_corrected_rate(rate: jax.Array, step: jax.Array, alpha: float, beta: float) -> jax.Array:
+    """R * sqrt(1 - beta^T) / (1 - alpha^T) for T > 0, else R."""
+    safe_step = jnp.where(step > 0, step, 1.0)
+    corrected = rate * jnp.sqrt(1.0 - beta ** safe_step) / (1.0 - alpha ** safe_step)
+    return jnp.where(step > 0, corrected, rate)
