@@ -179,12 +179,47 @@ def run_case(case: BackendCase) -> Result:
     return Result(case, True, seconds=time.perf_counter() - start)
 
 
+def handler_coverage(selected: list[BackendCase]) -> tuple[set, set]:
+    """(exercised, registered): handler keys (domain, op_type, since_version) the cases reach."""
+    import onnx
+
+    from onnxtrain.translate import ops  # noqa: F401 - registers every handler
+    from onnxtrain.translate.registry import normalize_domain, registered, resolve
+
+    exercised = set()
+    for case in selected:
+        model = onnx.ModelProto.FromString(case.model_bytes())
+        opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+        graphs = [model.graph] + [onnx.helper.make_graph(f.node, f.name, [], []) for f in model.functions]
+        while graphs:
+            graph = graphs.pop()
+            for node in graph.node:
+                domain = normalize_domain(node.domain)
+                handler = resolve(domain, node.op_type, opsets.get(domain, 0))
+                if handler is not None:
+                    exercised.add((handler.domain, handler.op_type, handler.since_version))
+                graphs.extend(a.g for a in node.attribute if a.type == a.GRAPH)
+                graphs.extend(g for a in node.attribute for g in a.graphs)
+    every = {(domain, op_type, since) for (domain, op_type), versions in registered().items()
+             for since in versions}
+    return exercised, every
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=SUITES, action="append", help="suites to run (default: all)")
     parser.add_argument("-k", dest="pattern", help="only cases whose id matches this regex")
     parser.add_argument("--failures", action="store_true", help="print every failing case and why")
+    parser.add_argument("--coverage", action="store_true",
+                        help="only list the op handler versions no selected case reaches")
     arguments = parser.parse_args(argv)
+    if arguments.coverage:
+        selected = [c for s in arguments.suite or SUITES for c in cases(s)]
+        exercised, every = handler_coverage(selected)
+        for domain, op_type, since in sorted(every - exercised):
+            print(f"not reached: {domain or 'ai.onnx'}::{op_type} since {since}")
+        print(f"{len(exercised & every)} of {len(every)} handler versions reached by {len(selected)} cases")
+        return 0
     known = expected_failures()
     pattern = re.compile(arguments.pattern) if arguments.pattern else None
     totals: dict[str, Counter] = {}
