@@ -13,6 +13,7 @@ from onnxtrain.errors import (
 )
 from onnxtrain.inference import run, translate_model
 from onnxtrain.model import load_model, save_model
+from onnxtrain.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "InputError",
     "ModelLoadError",
     "OnnxTrainError",
+    "Trainer",
     "UnsupportedOpError",
     "load_model",
     "run",

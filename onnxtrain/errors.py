@@ -31,3 +31,11 @@ class InputError(OnnxTrainError):
 
 class ExportError(OnnxTrainError):
     """A model or checkpoint cannot be written."""
+
+
+def without_jax_notes(error: BaseException) -> BaseException:
+    """Drop the note JAX attaches to exceptions raised while tracing: our messages stand alone."""
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        error.__notes__ = [note for note in notes if "JAX has removed its internal frames" not in note]
+    return error

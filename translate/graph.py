@@ -68,13 +68,16 @@ class Translator:
              opsets: Mapping[str, int] | None = None, where: str = "main graph") -> GraphPlan:
         opsets = self.opsets if opsets is None else opsets
         nodes = [self._spec(node, opsets, where) for node in graph.node]
-        return GraphPlan(
+        plan = GraphPlan(
             name=graph.name,
             inputs=[value.name for value in graph.input],
             outputs=[value.name for value in graph.output],
             nodes=[spec for spec in nodes if spec is not None],
             constants=dict(constants or {}),
         )
+        for spec in plan.nodes:
+            spec.graph = plan
+        return plan
 
     def _spec(self, node: NodeProto, opsets: Mapping[str, int], where: str) -> NodeSpec | None:
         label = f"{node_label(node)} in {where}"
@@ -161,7 +164,8 @@ def _bind_outputs(spec: NodeSpec, scope: dict[str, Any], result: Any) -> None:
         scope[name] = outputs[index]
 
 
-def _run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
+def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
+    """Evaluate one node in `scope`, binding its outputs in the innermost map."""
     try:
         inputs = [scope[name] if name else None for name in spec.proto.input]
     except KeyError as missing:
@@ -200,6 +204,24 @@ def _concrete_to_host(result: Any) -> Any:
     return to_host(result)
 
 
+def node_reads(spec: NodeSpec) -> set[str]:
+    """Every name a node reads: its inputs and the outer names its subgraphs use."""
+    names = {name for name in spec.proto.input if name}
+    for subplan in spec.subgraphs.values():
+        names |= free_names(subplan)
+    return names
+
+
+def free_names(plan: GraphPlan) -> set[str]:
+    """Names a graph reads from its enclosing scope."""
+    defined = set(plan.inputs) | set(plan.constants)
+    free: set[str] = set()
+    for spec in plan.nodes:
+        free |= node_reads(spec) - defined
+        defined |= set(spec.proto.output)
+    return free
+
+
 def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, Any],
                   evaluation: Evaluation) -> list[Any]:
     """Evaluate a plan: bind inputs (in order), run the nodes, return the outputs."""
@@ -209,7 +231,7 @@ def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, An
             local[name] = value
     scope = ChainMap(local, outer)
     for spec in plan.nodes:
-        _run_node(spec, scope, evaluation)
+        run_node(spec, scope, evaluation)
     try:
         return [scope[name] for name in plan.outputs]
     except KeyError as missing:

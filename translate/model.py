@@ -18,10 +18,10 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from onnxtrain.errors import InputError
+from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
-from onnxtrain.translate import ops  # noqa: F401 - registers every op handler
+from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
 from onnxtrain.translate.graph import Translator, evaluate_plan, graph_initializers
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.registry import normalize_domain, resolve
@@ -30,7 +30,7 @@ from onnxtrain.translate.values import NeedsHostValues, to_host
 logger = logging.getLogger("onnxtrain")
 
 
-def _static_names(graph: GraphProto, opsets: Mapping[str, int]) -> set[str]:
+def static_input_names(graph: GraphProto, opsets: Mapping[str, int]) -> set[str]:
     """Names used at an input position some op needs as a host constant (shapes, axes...)."""
     names = set()
     for subgraph, _ in iter_graph_tree(graph, "graph"):
@@ -72,17 +72,21 @@ def _signature(inputs: Mapping[str, Any]) -> Any:
 class TranslatedModel:
     """fn(params, inputs, key=None) -> {output name: value}; jit- and grad-able."""
 
-    def __init__(self, model: ModelProto, params: Iterable[str] | None = None, jit: bool = True):
-        """jit=False runs every call op by op, each op's result rounded to its dtype:
+    def __init__(self, model: ModelProto, params: Iterable[str] | None = None, jit: bool = True,
+                 extra_params: Iterable[str] = ()):
+        """params: the initializers passed in as arguments (default: the float ones not used
+        as shapes or axes), plus extra_params (e.g. integer counters a trainer updates).
+        jit=False runs every call op by op, each op's result rounded to its dtype:
         slower, but free of XLA's cross-op fusion (for debugging numerics)."""
         self.name = model.graph.name or "model"
         self.jit = jit
         opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         translator = Translator(opsets, model.functions)
         initializers = graph_initializers(model.graph)
-        static = _static_names(model.graph, opsets)
+        static = static_input_names(model.graph, opsets)
         if params is None:
             params = [n for n, v in initializers.items() if _is_float(v) and n not in static]
+        params = list(dict.fromkeys([*params, *extra_params]))
         unknown = sorted(set(params) - set(initializers))
         if unknown:
             raise InputError(f"params {unknown} are not initializers of the model")
@@ -140,6 +144,8 @@ class TranslatedModel:
             if not eager and not _host_only(list(inputs.values())):
                 try:
                     return self._jitted(params, inputs, key)
+                except OnnxTrainError as error:
+                    raise without_jax_notes(error)
                 except NeedsHostValues as reason:
                     logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
                                    self.name, reason)

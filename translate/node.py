@@ -95,20 +95,54 @@ class NodeSpec:
     random: bool = False
     differentiable: bool = True
     subgraphs: dict[str, Any] = field(default_factory=dict)
+    # The GraphPlan holding this node (the Gradient op slices it), and a place
+    # for handlers to keep what they derive from the plan once.
+    graph: Any = None
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 class Evaluation:
-    """State of one run of a graph: the PRNG key and whether we run eagerly."""
+    """State of one run of a graph: the PRNG key and whether we run eagerly.
 
-    def __init__(self, key: jax.Array | None, eager: bool):
+    Every draw is remembered per node, so that a Gradient op re-evaluating
+    part of the graph (a replay) sees the same random numbers as the forward
+    run: the dropout mask a loss was computed with is the one differentiated.
+    """
+
+    def __init__(self, key: jax.Array | None, eager: bool, replay_of: Evaluation | None = None):
         self._key = key
         self.eager = eager
+        self._replay_of = replay_of
+        self.drawn: dict[int, jax.Array] = {}
+        # Keys drawn ahead by a replay for nodes the forward run has not reached yet.
+        self._reserved: dict[int, jax.Array] = {}
 
-    def next_key(self, label: str) -> jax.Array:
-        if self._key is None:
-            raise ModelLoadError(f"{label} draws random numbers but no PRNG key was given")
-        self._key, subkey = jax.random.split(self._key)
+    def replay(self) -> Evaluation:
+        """A traced (never eager) evaluation that reuses this run's draws."""
+        return Evaluation(None, False, replay_of=self)
+
+    def next_key(self, spec: NodeSpec) -> jax.Array:
+        if self._replay_of is not None:
+            return self._replay_of._key_for_replay(spec)
+        if id(spec) in self._reserved:
+            subkey = self._reserved.pop(id(spec))
+        else:
+            if self._key is None:
+                raise ModelLoadError(f"{spec.label} draws random numbers but no PRNG key was given")
+            self._key, subkey = jax.random.split(self._key)
+        self.drawn[id(spec)] = subkey
         return subkey
+
+    def _key_for_replay(self, spec: NodeSpec) -> jax.Array:
+        if id(spec) in self.drawn:
+            return self.drawn[id(spec)]
+        if self._replay_of is not None:
+            return self._replay_of._key_for_replay(spec)
+        if id(spec) not in self._reserved:
+            if self._key is None:
+                raise ModelLoadError(f"{spec.label} draws random numbers but no PRNG key was given")
+            self._key, self._reserved[id(spec)] = jax.random.split(self._key)
+        return self._reserved[id(spec)]
 
 
 class Node:
@@ -159,7 +193,7 @@ class Node:
 
     def next_key(self) -> jax.Array:
         """A fresh PRNG key for a random op; the evaluation's key advances."""
-        return self.evaluation.next_key(self.label)
+        return self.evaluation.next_key(self.spec)
 
     def run_subgraph(self, attr_name: str, inputs: Sequence[Any]) -> list[Any]:
         """Evaluate a graph attribute with `inputs`; outer-scope names stay visible."""

@@ -1,0 +1,153 @@
+"""The compiled programs of a training model: initialization, training step, inference.
+
+Each is translated once, when the Trainer is built (so unknown operators fail
+before anything runs), and compiled once per input signature. A training step
+is one jitted function (state, key, constants, feeds) -> (state, key, outputs)
+with the state donated: XLA writes the new values into the old buffers. Every
+output is computed from the pre-step state; the bound ones are assigned
+together when the step returns. State variables and hyperparameters are
+arguments, never baked-in constants, so changing them never recompiles.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
+from onnxtrain.proto import GraphProto, ModelProto
+from onnxtrain.state.store import StateStore
+from onnxtrain.training import combined_graph, initializer_names, model_of
+from onnxtrain.translate.model import TranslatedModel, static_input_names
+from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.values import NeedsHostValues, to_host
+
+logger = logging.getLogger("onnxtrain")
+
+
+def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str) -> TranslatedModel:
+    """The graph translated with the state variables it reads as parameters."""
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    present = set(initializer_names(graph))
+    visible = [name for name in variables if name in present]
+    shapes = sorted(static_input_names(graph, opsets) & set(visible))
+    if shapes:
+        raise BindingError(f"{where}: state variables {shapes} are used where an operator needs a "
+                           "value known before running (a shape, axes, sizes); such inputs cannot "
+                           "change during training, so they must not be bound")
+    return TranslatedModel(model_of(model, graph), extra_params=visible)
+
+
+def _checked_assignment(key: str, value: Any, current: jax.Array, where: str) -> jax.Array:
+    value = jnp.asarray(value)
+    if value.shape != current.shape or value.dtype != current.dtype:
+        raise BindingError(
+            f"{where}: {key!r} is {current.dtype}{list(current.shape)} but the value bound to it is "
+            f"{value.dtype}{list(value.shape)}; a state variable keeps its type and shape")
+    return value
+
+
+class _Program:
+    """What initialization, step and inference share: the translated graph, its constants."""
+
+    def __init__(self, model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str):
+        self.where = where
+        self.translated = _translated(model, graph, variables, where)
+        self.variables = [name for name in variables if name in self.translated.params]
+        self.constants = {n: v for n, v in self.translated.params.items() if n not in self.variables}
+        declared = set(self.translated.input_names)
+        self.declared_inputs = [value for value in graph.input if value.name in declared]
+
+    def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**self.constants, **{name: values[name] for name in self.variables}}
+
+    def compilations(self) -> int:
+        return self.translated._jitted._cache_size()
+
+
+class InitializationProgram(_Program):
+    """training_info[i].initialization: no inputs; outputs assigned by initialization_binding."""
+
+    def __init__(self, model: ModelProto, index: int):
+        info = model.training_info[index]
+        where = f"training_info[{index}].initialization"
+        if len(info.initialization.input):
+            raise BindingError(f"{where} declares inputs {[v.name for v in info.initialization.input]}; "
+                               "an initialization graph takes none")
+        super().__init__(model, info.initialization, (), where)
+        self.bindings = [(entry.key, entry.value) for entry in info.initialization_binding]
+
+    def run(self, values: dict[str, jax.Array], key: jax.Array) -> dict[str, jax.Array]:
+        """New values for the bound variables (the caller commits them)."""
+        outputs = self.translated(self.params(values), {}, key)
+        where = f"{self.where.rsplit('.', 1)[0]}.initialization_binding"
+        with jax.enable_x64(True):
+            return {k: _checked_assignment(k, outputs[v], values[k], where) for k, v in self.bindings}
+
+
+class StepProgram(_Program):
+    """The main graph ⊕ training_info[i].algorithm as one donated, jitted step."""
+
+    def __init__(self, model: ModelProto, index: int, variables: Sequence[str]):
+        info = model.training_info[index]
+        super().__init__(model, combined_graph(model, index), variables, f"training_info[{index}]")
+        self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
+        bound = {value for _, value in self.bindings}
+        self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
+        self._jitted = jax.jit(self._step, donate_argnums=0)
+
+    def _assign(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
+        where = f"{self.where}.update_binding"
+        updates = {k: _checked_assignment(k, outputs[v], state[k], where) for k, v in self.bindings}
+        return {**state, **updates}
+
+    def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+              feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
+        key, subkey = jax.random.split(key)
+        outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
+                                        feeds, subkey)
+        return self._assign(state, outputs), key, {name: outputs[name] for name in self.returned}
+
+    def run(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One step: new state committed to `store`; the unbound outputs returned."""
+        with jax.enable_x64(True):
+            try:
+                state, key, outputs = self._jitted(store.values, store.key, self.constants, feeds)
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+            except NeedsHostValues as reason:
+                logger.warning("%s runs op by op (no jit): %s", self.where, reason)
+                state, key, outputs = self._eager_step(store, feeds)
+        store.commit(state, key)
+        return outputs
+
+    def _eager_step(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
+        key, subkey = jax.random.split(store.key)
+        params = {name: to_host(value) for name, value in self.params(store.values).items()}
+        host_feeds = {name: to_host(value) for name, value in feeds.items()}
+        outputs = self.translated.apply(params, host_feeds, subkey, eager=True)
+        state = {n: jnp.asarray(v) for n, v in self._assign(dict(store.values), outputs).items()}
+        return state, key, {name: outputs[name] for name in self.returned}
+
+    def compilations(self) -> int:
+        return self._jitted._cache_size()
+
+
+class InferenceProgram(_Program):
+    """The main graph with the current state; reads the store, never writes it."""
+
+    def __init__(self, model: ModelProto, variables: Sequence[str]):
+        super().__init__(model, model.graph, variables, "main graph")
+
+    def run(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self.translated(self.params(values), feeds, key)
+
+
+def host_copy(values: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Values as numpy arrays (for writing them out)."""
+    return {name: np.asarray(value) for name, value in values.items()}

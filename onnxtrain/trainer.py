@@ -1,0 +1,229 @@
+"""Trainer: a training model as the stateful object the IR spec describes.
+
+initialize() runs the initialization graphs, step() one algorithm, infer() the
+main graph, all over one StateStore of state variables (the binding keys),
+hyperparameters (scalar constants of the algorithm graphs, changeable without
+recompiling) and a PRNG key. export() writes the current values back into the
+model, so a run can stop, be served by ONNX Runtime, or resume exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from onnxtrain.errors import BindingError, InputError, ModelLoadError
+from onnxtrain.feeds import check_feeds
+from onnxtrain.model import ModelSource, load_model, save_model
+from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
+from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
+from onnxtrain.state import checkpoint
+from onnxtrain.state.store import StateStore, StateView
+from onnxtrain.training import initial_values, validate
+from onnxtrain.translate.graph import graph_initializers
+from onnxtrain.translate.model import static_input_names
+from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.tensors import numpy_to_tensor
+
+KEY_METADATA = "onnxtrain.prng_key"
+_INFERENCE_STREAM = 0x1F
+
+
+def _stored_key(model: ModelProto) -> jax.Array | None:
+    """The PRNG key an earlier export left in the model, if any."""
+    for entry in model.metadata_props:
+        if entry.key == KEY_METADATA:
+            try:
+                saved = json.loads(entry.value)
+                data = np.frombuffer(bytes.fromhex(saved["data"]), np.dtype(saved["dtype"]))
+                return jax.random.wrap_key_data(data.reshape(saved["shape"]), impl=saved["impl"])
+            except (KeyError, ValueError, TypeError) as error:
+                raise ModelLoadError(f"metadata {KEY_METADATA!r} is malformed ({error}); remove it "
+                                     "or pass seed= to start a fresh random stream") from None
+    return None
+
+
+def _key_metadata(key: jax.Array) -> str:
+    data = np.asarray(jax.random.key_data(key))
+    return json.dumps({"impl": str(jax.random.key_impl(key)), "dtype": data.dtype.name,
+                       "shape": list(data.shape), "data": data.tobytes().hex()})
+
+
+def _hyperparameters(model: ModelProto, state: set[str]) -> dict[str, tuple[int, np.ndarray]]:
+    """Scalar numeric algorithm initializers that are not state: name -> (TrainingInfo index, value)."""
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    found: dict[str, tuple[int, np.ndarray]] = {}
+    repeated: set[str] = set()
+    for index, info in enumerate(model.training_info):
+        static = static_input_names(info.algorithm, opsets)
+        for name, value in graph_initializers(info.algorithm).items():
+            if name in state or name in static or value.ndim or value.dtype.kind not in "fiub":
+                continue
+            if name in found:
+                repeated.add(name)
+            found[name] = (index, value)
+    return {name: item for name, item in found.items() if name not in repeated}
+
+
+def _replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None:
+    tensor = numpy_to_tensor(value, name)
+    for index, existing in enumerate(graph.initializer):
+        if existing.name == name:
+            tensor.doc_string = existing.doc_string
+            graph.initializer[index].CopyFrom(tensor)
+            return
+    for index, sparse in enumerate(graph.sparse_initializer):
+        if sparse.values.name == name:
+            del graph.sparse_initializer[index]
+            graph.initializer.append(tensor)
+            return
+    raise BindingError(f"initializer {name!r} disappeared from graph {graph.name!r}")
+
+
+class Trainer:
+    """Run a model's TrainingInfoProtos: initialize(), step(), infer(), fit(), export()."""
+
+    def __init__(self, model: ModelSource, seed: int | None = None):
+        """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0."""
+        self.model = load_model(model)
+        if not self.model.training_info:
+            raise BindingError("the model has no training_info, so there is nothing to train; build "
+                               "one with onnxtrain.make_training_model(model, loss=..., optimizer=...)")
+        layout = validate(self.model)
+        self._home = dict(layout.home)
+        self.state_names: tuple[str, ...] = layout.names
+        hyper = _hyperparameters(self.model, set(layout.names))
+        self.hyperparameter_names: tuple[str, ...] = tuple(hyper)
+        self._home.update({name: index for name, (index, _) in hyper.items()})
+        stored = _stored_key(self.model) if seed is None else None
+        key = stored if stored is not None else jax.random.key(0 if seed is None else seed)
+        values = {**initial_values(self.model, layout), **{n: v for n, (_, v) in hyper.items()}}
+        self._store = StateStore(values, key)
+        variables = [*self.state_names, *self.hyperparameter_names]
+        self._initializations = [InitializationProgram(self.model, i) if info.HasField("initialization")
+                                 else None for i, info in enumerate(self.model.training_info)]
+        self._steps = [StepProgram(self.model, i, variables) for i in range(len(self.model.training_info))]
+        self._inference = InferenceProgram(self.model, variables)
+
+    @property
+    def state(self) -> StateView:
+        """The state variables, read-only; each value read is a copy that stays valid."""
+        return self._store.view(self.state_names)
+
+    @property
+    def hyperparameters(self) -> StateView:
+        """Scalar constants of the algorithm graphs (learning rates...), read-only; see set_state."""
+        return self._store.view(self.hyperparameter_names)
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled so far (one per program and input signature)."""
+        programs = [*self._steps, self._inference, *filter(None, self._initializations)]
+        return sum(program.compilations() for program in programs)
+
+    def set_state(self, name: str, value: Any) -> None:
+        """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
+        self._store.set(name, value)
+
+    def initialize(self) -> None:
+        """Run every initialization graph in model order, applying its bindings after each."""
+        values, key = dict(self._store.values), self._store.key
+        for program in self._initializations:
+            if program is not None:
+                key, subkey = jax.random.split(key)
+                values.update(program.run(values, subkey))
+        self._store.commit(values, key)
+
+    def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
+        """One training step of training_info[algorithm]; returns the outputs no binding consumes."""
+        if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._steps):
+            raise InputError(f"algorithm={algorithm!r}: the model has {len(self._steps)} "
+                             f"TrainingInfoProto(s), numbered 0..{len(self._steps) - 1}")
+        program = self._steps[algorithm]
+        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] step")
+        return program.run(self._store, checked)
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """The main graph's outputs with the current state; changes nothing."""
+        checked = check_feeds(self._inference.declared_inputs, feeds, "inference (main graph)")
+        key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
+        return self._inference.run(self._store.values, checked, key)
+
+    def fit(self, batches: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
+            epochs: int = 1, algorithm: int = 0, progress: bool = True) -> dict[str, list[float]]:
+        """Step through `batches` `epochs` times; the scalar outputs of every step, by name.
+
+        batches: a re-iterable collection of feed dicts, or a function returning a fresh
+        iterable each epoch (a one-shot iterator only serves one epoch).
+        """
+        from tqdm.auto import tqdm
+
+        if epochs > 1 and not callable(batches) and iter(batches) is batches:
+            raise InputError("fit(epochs>1) needs batches it can iterate again: a list, a "
+                             "re-iterable dataset, or a function returning a new iterator")
+        history: dict[str, list[float]] = {}
+        for epoch in range(epochs):
+            epoch_batches = batches() if callable(batches) else batches
+            bar = tqdm(epoch_batches, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
+            for feeds in bar:
+                outputs = self.step(feeds, algorithm)
+                scalars = {n: float(np.asarray(v)) for n, v in outputs.items() if np.size(v) == 1}
+                for name, value in scalars.items():
+                    history.setdefault(name, []).append(value)
+                bar.set_postfix(scalars, refresh=False)
+        return history
+
+    def export(self, path: str | os.PathLike, training: bool = True,
+               external_data: bool | str | None = None) -> None:
+        """Write the model with every state variable's current value in its initializer.
+
+        training=False drops training_info: a clean inference model for ONNX Runtime.
+        training=True keeps it and records the PRNG key, so Trainer(path) resumes exactly.
+        """
+        model = ModelProto()
+        model.CopyFrom(self.model)
+        for name, value in host_copy(self._store.values).items():
+            place = self._home[name]
+            if place is None:
+                _replace_initializer(model.graph, name, value)
+            elif training:
+                _replace_initializer(model.training_info[place].algorithm, name, value)
+        kept = [e for e in model.metadata_props if e.key != KEY_METADATA]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
+        if training:
+            model.metadata_props.append(StringStringEntryProto(key=KEY_METADATA,
+                                                               value=_key_metadata(self._store.key)))
+        else:
+            del model.training_info[:]
+        save_model(model, path, external_data=external_data)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save every state variable, hyperparameter and the PRNG key (no pickle)."""
+        checkpoint.save_checkpoint(path, host_copy(self._store.values), self._store.key,
+                                   {"model": self.model.graph.name})
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint saved by a Trainer of the same model."""
+        values, key, _ = checkpoint.load_checkpoint(path)
+        current = self._store.values
+        if set(values) != set(current):
+            raise ModelLoadError(
+                f"checkpoint {str(path)!r} holds {sorted(values)} but this model's state is "
+                f"{sorted(current)}; it was saved from a different model")
+        for name, value in values.items():
+            if value.shape != current[name].shape or value.dtype != current[name].dtype:
+                raise ModelLoadError(
+                    f"checkpoint {str(path)!r}: {name!r} is {value.dtype}{list(value.shape)}, the "
+                    f"model's is {current[name].dtype}{list(current[name].shape)}")
+        self._store.commit(StateStore(values, key).values, key)
+
+    def __repr__(self) -> str:
+        return (f"Trainer({self.model.graph.name or 'model'!r}: {len(self.state_names)} state "
+                f"variables, {len(self._steps)} algorithm(s))")
+

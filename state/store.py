@@ -1,0 +1,88 @@
+"""StateStore: the mutable variables of a training model and its PRNG key.
+
+Compiled steps take the whole store as a donated argument, so XLA updates the
+buffers in place. Two consequences shape this class:
+- changes are transactional: a step hands back a complete new set of values
+  and `commit` swaps it in at once; anything that raises before that leaves
+  every variable as it was;
+- values handed to users are copies: the store's own buffers are donated (and
+  so invalidated) by the next step, a copy stays valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from onnxtrain.errors import InputError
+
+
+def _device_array(value: Any) -> jax.Array:
+    with jax.enable_x64(True):
+        return jnp.array(value, copy=True)
+
+
+class StateView(Mapping):
+    """Read-only view of a store: each lookup returns a copy of the current value."""
+
+    def __init__(self, store: StateStore, names: tuple[str, ...]):
+        self._store = store
+        self._names = names
+
+    def __getitem__(self, name: str) -> jax.Array:
+        if name not in self._names:
+            raise KeyError(name)
+        return _device_array(self._store.values[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{n}: {self._store.values[n].dtype}{list(self._store.values[n].shape)}"
+                           for n in self._names)
+        return f"<state {{{shapes}}}>"
+
+
+class StateStore:
+    """name -> device array, plus a PRNG key; replaced only as a whole."""
+
+    def __init__(self, values: Mapping[str, Any], key: jax.Array):
+        self.values: dict[str, jax.Array] = {name: _device_array(v) for name, v in values.items()}
+        self.key = key
+
+    def view(self, names: tuple[str, ...]) -> StateView:
+        return StateView(self, names)
+
+    def commit(self, values: Mapping[str, jax.Array], key: jax.Array | None = None) -> None:
+        """Swap in a complete new set of values (and key) at once."""
+        if set(values) != set(self.values):
+            raise ValueError(f"commit must cover exactly the variables {sorted(self.values)}")
+        self.values = dict(values)
+        if key is not None:
+            self.key = key
+
+    def set(self, name: str, value: Any) -> None:
+        """Replace one variable by a value of the same shape that its dtype holds exactly."""
+        if name not in self.values:
+            raise InputError(f"{name!r} is not a state variable; known: {sorted(self.values)}")
+        current = self.values[name]
+        array = np.asarray(value)
+        if array.shape != current.shape:
+            raise InputError(f"state variable {name!r} has shape {list(current.shape)}; "
+                             f"got {list(array.shape)}")
+        if array.dtype.kind not in "biuf":
+            raise InputError(f"state variable {name!r} is {current.dtype}; got a {array.dtype} value")
+        converted = array.astype(current.dtype)
+        # Rounding to a float variable's precision is expected; changing an integer's value is not.
+        if jnp.issubdtype(current.dtype, jnp.integer) or current.dtype == bool:
+            if not np.array_equal(converted.astype(array.dtype), array):
+                raise InputError(f"state variable {name!r} is {current.dtype}; {value!r} does not "
+                                 "fit it exactly")
+        self.values = {**self.values, name: _device_array(converted)}
