@@ -19,10 +19,14 @@ def demo_model_path() -> Path:
     return Path(str(resources.files("onnxtrain") / "models" / DEMO_MODEL))
 
 
-def _demo(_: argparse.Namespace) -> int:
+def _demo(arguments: argparse.Namespace) -> int:
+    from onnxtrain.demo import train_demo
+
     path = demo_model_path()
     print(f"onnxtrain demo: the bundled model {path.name}\n")
     print(describe(load_model(path)))
+    print()
+    train_demo(path, out_dir=arguments.out)
     return 0
 
 
@@ -34,7 +38,9 @@ def _info(arguments: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train ONNX models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="run the demo on the bundled model").set_defaults(run=_demo)
+    demo = commands.add_parser("demo", help="train the bundled model with its own recipe and export it")
+    demo.add_argument("--out", type=Path, help="folder for the exported model (default: a new temporary one)")
+    demo.set_defaults(run=_demo)
     info = commands.add_parser("info", help="print the outline of an ONNX model")
     info.add_argument("model", help="path to an .onnx file")
     info.set_defaults(run=_info)

@@ -63,12 +63,27 @@ def test_onnxruntime_serves_the_demo_model_like_a_numpy_forward_pass():
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_demo_prints_the_model_structure(capsys):
-    assert main(["demo"]) == 0
+def test_demo_prints_the_model_structure_and_trains_it(capsys, tmp_path):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     for expected in ("mlp_classifier", "training_info[0]", "ai.onnx.preview.training::Adam",
-                     "state variables (13)", "W1 <- W1_new", "X float32[batch, 2]"):
+                     "state variables (13)", "W1 <- W1_new", "X float32[batch, 2]",
+                     "3 compilations", "accuracy"):
         assert expected in printed
+    exported = tmp_path / "mlp_classifier_trained.onnx"
+    assert not onnx.load(exported).training_info
+
+
+def test_demo_training_learns_the_spirals_and_onnxruntime_serves_the_result(tmp_path):
+    from onnxtrain.demo import spirals, train_demo
+
+    figures = train_demo(demo_model_path(), epochs=40, out_dir=tmp_path)
+    assert figures["last_loss"] < 0.2 * figures["first_loss"]
+    assert figures["accuracy_after"] > 0.9 > figures["accuracy_before"]
+    x, labels = spirals()
+    session = onnxruntime.InferenceSession(str(tmp_path / "mlp_classifier_trained.onnx"))
+    (logits,) = session.run(None, {"X": x})
+    assert np.mean(logits.argmax(axis=1) == labels) == figures["accuracy_after"]
 
 
 def test_info_on_a_missing_file_is_one_clear_line(tmp_path):
