@@ -11,6 +11,8 @@ from onnxtrain.errors import (
     OnnxTrainError,
     UnsupportedOpError,
 )
+from onnxtrain import optim
+from onnxtrain.builder import make_training_model
 from onnxtrain.inference import run, translate_model
 from onnxtrain.model import load_model, save_model
 from onnxtrain.trainer import Trainer
@@ -26,6 +28,8 @@ __all__ = [
     "Trainer",
     "UnsupportedOpError",
     "load_model",
+    "make_training_model",
+    "optim",
     "run",
     "save_model",
     "translate_model",
