@@ -428,6 +428,9 @@ def max_pool(node: Any, x: Any) -> Any:
     _, window, outputs = pool_window(node, x)
     if is_tiling(window) and not node.output_used(1):
         y = max_of_strided_slices(x, window, outputs)
+    elif set(window.dilations) != {1}:
+        # reduce_window has no gradient with window dilation; a max over the patches has.
+        y = jnp.max(window_patches(x, window, outputs, lowest(x.dtype)), axis=0)
     else:
         y = reduce_windows(x, window, lowest(x.dtype), lax.max)
     if not node.output_used(1):

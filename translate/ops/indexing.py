@@ -115,7 +115,19 @@ def _scatter(node: Any, data: Any, coordinates: tuple, updates: Any) -> jax.Arra
     if reduction not in _REDUCTIONS:
         raise node.error(f"reduction {reduction!r} is not one of {sorted(_REDUCTIONS)}")
     data = jnp.asarray(data)
-    return getattr(data.at[coordinates], _REDUCTIONS[reduction])(jnp.asarray(updates, data.dtype))
+    # JAX differentiates a multiplying scatter only when told the indices are unique;
+    # host-known indices can be checked.
+    unique = reduction == "mul" and _unique_host_coordinates(coordinates)
+    return getattr(data.at[coordinates], _REDUCTIONS[reduction])(
+        jnp.asarray(updates, data.dtype), **({"unique_indices": True} if unique else {}))
+
+
+def _unique_host_coordinates(coordinates: tuple) -> bool:
+    if not coordinates or not all(isinstance(c, np.ndarray) for c in coordinates):
+        return False
+    shape = np.broadcast_shapes(*[c.shape for c in coordinates])
+    stacked = np.stack([np.broadcast_to(c, shape).ravel() for c in coordinates], axis=1)
+    return len(np.unique(stacked, axis=0)) == len(stacked)
 
 
 @op("Scatter", since=9)

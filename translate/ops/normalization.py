@@ -350,7 +350,7 @@ def local_response_normalization(node: Node, x: ArrayLike) -> jax.Array:
     before = (size - 1) // 2
     padding = [(0, 0), (before, size - 1 - before)] + [(0, 0)] * (x.ndim - 2)
     window = (1, size) + (1,) * (x.ndim - 2)
-    square_sum = lax.reduce_window(square, jnp.zeros((), square.dtype), lax.add, window,
+    square_sum = lax.reduce_window(square, np.zeros((), square.dtype), lax.add, window,
                                    (1,) * x.ndim, padding)
     alpha, beta = float_attr(node, "alpha", 1e-4), float_attr(node, "beta", 0.75)
     bias = float_attr(node, "bias", 1.0)
