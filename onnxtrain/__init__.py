@@ -13,6 +13,7 @@ from onnxtrain.errors import (
 )
 from onnxtrain import optim
 from onnxtrain.builder import make_training_model
+from onnxtrain.finetune import FineTuner, finetune
 from onnxtrain.inference import run, translate_model
 from onnxtrain.model import load_model, save_model
 from onnxtrain.trainer import Trainer
@@ -22,11 +23,13 @@ __version__ = "0.1.0"
 __all__ = [
     "BindingError",
     "ExportError",
+    "FineTuner",
     "InputError",
     "ModelLoadError",
     "OnnxTrainError",
     "Trainer",
     "UnsupportedOpError",
+    "finetune",
     "load_model",
     "make_training_model",
     "optim",

@@ -100,6 +100,7 @@ class StepProgram(_Program):
         bound = {value for _, value in self.bindings}
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
         self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._dry_run = jax.jit(self._step)
 
     def _assign(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{self.where}.update_binding"
@@ -126,6 +127,16 @@ class StepProgram(_Program):
         store.commit(state, key)
         return outputs
 
+    def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
+        """The step's unbound outputs from the current state, which stays untouched."""
+        with jax.enable_x64(True):
+            try:
+                return self._dry_run(store.values, store.key, self.constants, feeds)[2]
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+            except NeedsHostValues:
+                return self._eager_step(store, feeds)[2]
+
     def _eager_step(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
         key, subkey = jax.random.split(store.key)
         params = {name: to_host(value) for name, value in self.params(store.values).items()}
@@ -135,7 +146,7 @@ class StepProgram(_Program):
         return state, key, {name: outputs[name] for name in self.returned}
 
     def compilations(self) -> int:
-        return self._jitted._cache_size()
+        return self._jitted._cache_size() + self._dry_run._cache_size()
 
 
 class InferenceProgram(_Program):

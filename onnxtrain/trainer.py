@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ import numpy as np
 
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
 from onnxtrain.feeds import check_feeds
+from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
@@ -70,7 +71,7 @@ def _hyperparameters(model: ModelProto, state: set[str]) -> dict[str, tuple[int,
     return {name: item for name, item in found.items() if name not in repeated}
 
 
-def _replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None:
+def replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None:
     tensor = numpy_to_tensor(value, name)
     for index, existing in enumerate(graph.initializer):
         if existing.name == name:
@@ -141,12 +142,15 @@ class Trainer:
 
     def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """One training step of training_info[algorithm]; returns the outputs no binding consumes."""
+        program = self._step_program(algorithm)
+        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] step")
+        return program.run(self._store, checked)
+
+    def _step_program(self, algorithm: int) -> StepProgram:
         if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._steps):
             raise InputError(f"algorithm={algorithm!r}: the model has {len(self._steps)} "
                              f"TrainingInfoProto(s), numbered 0..{len(self._steps) - 1}")
-        program = self._steps[algorithm]
-        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] step")
-        return program.run(self._store, checked)
+        return self._steps[algorithm]
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The main graph's outputs with the current state; changes nothing."""
@@ -154,29 +158,23 @@ class Trainer:
         key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
         return self._inference.run(self._store.values, checked, key)
 
-    def fit(self, batches: Iterable[Mapping[str, Any]] | Callable[[], Iterable[Mapping[str, Any]]],
-            epochs: int = 1, algorithm: int = 0, progress: bool = True) -> dict[str, list[float]]:
-        """Step through `batches` `epochs` times; the scalar outputs of every step, by name.
+    def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
+            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None) -> dict[str, list[float]]:
+        """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
 
         batches: a re-iterable collection of feed dicts, or a function returning a fresh
-        iterable each epoch (a one-shot iterator only serves one epoch).
+        iterable each epoch. eval_data: batches whose algorithm outputs (e.g. the loss) are
+        computed from the current state, without updating it, after every epoch.
+        callbacks: callback(epoch, logs) after every epoch; returning True stops training.
         """
-        from tqdm.auto import tqdm
+        return fit(lambda feeds: self.step(feeds, algorithm), batches, epochs, progress, callbacks,
+                   lambda feeds: self.evaluate(feeds, algorithm), eval_data)
 
-        if epochs > 1 and not callable(batches) and iter(batches) is batches:
-            raise InputError("fit(epochs>1) needs batches it can iterate again: a list, a "
-                             "re-iterable dataset, or a function returning a new iterator")
-        history: dict[str, list[float]] = {}
-        for epoch in range(epochs):
-            epoch_batches = batches() if callable(batches) else batches
-            bar = tqdm(epoch_batches, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress)
-            for feeds in bar:
-                outputs = self.step(feeds, algorithm)
-                scalars = {n: float(np.asarray(v)) for n, v in outputs.items() if np.size(v) == 1}
-                for name, value in scalars.items():
-                    history.setdefault(name, []).append(value)
-                bar.set_postfix(scalars, refresh=False)
-        return history
+    def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
+        """What step() would return for these feeds, without changing any state."""
+        program = self._step_program(algorithm)
+        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] evaluation")
+        return program.evaluate(self._store, checked)
 
     def export(self, path: str | os.PathLike, training: bool = True,
                external_data: bool | str | None = None) -> None:
@@ -190,9 +188,9 @@ class Trainer:
         for name, value in host_copy(self._store.values).items():
             place = self._home[name]
             if place is None:
-                _replace_initializer(model.graph, name, value)
+                replace_initializer(model.graph, name, value)
             elif training:
-                _replace_initializer(model.training_info[place].algorithm, name, value)
+                replace_initializer(model.training_info[place].algorithm, name, value)
         kept = [e for e in model.metadata_props if e.key != KEY_METADATA]
         del model.metadata_props[:]
         model.metadata_props.extend(kept)
@@ -211,17 +209,7 @@ class Trainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint saved by a Trainer of the same model."""
         values, key, _ = checkpoint.load_checkpoint(path)
-        current = self._store.values
-        if set(values) != set(current):
-            raise ModelLoadError(
-                f"checkpoint {str(path)!r} holds {sorted(values)} but this model's state is "
-                f"{sorted(current)}; it was saved from a different model")
-        for name, value in values.items():
-            if value.shape != current[name].shape or value.dtype != current[name].dtype:
-                raise ModelLoadError(
-                    f"checkpoint {str(path)!r}: {name!r} is {value.dtype}{list(value.shape)}, the "
-                    f"model's is {current[name].dtype}{list(current[name].shape)}")
-        self._store.commit(StateStore(values, key).values, key)
+        self._store.restore(values, key, f"checkpoint {str(path)!r}")
 
     def __repr__(self) -> str:
         return (f"Trainer({self.model.graph.name or 'model'!r}: {len(self.state_names)} state "

@@ -45,7 +45,7 @@ def save_checkpoint(path: str | os.PathLike, values: Mapping[str, Any], key: jax
         descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
         with os.fdopen(descriptor, "wb") as file, zipfile.ZipFile(file, "w", allowZip64=True) as archive:
             for index, (name, value) in enumerate(values.items()):
-                array = np.ascontiguousarray(np.asarray(value))
+                array = np.asarray(value)
                 entry = f"arrays/{index}.bin"
                 archive.writestr(entry, array.tobytes())
                 manifest["arrays"].append({"name": name, "entry": entry, "dtype": array.dtype.name,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain.errors import InputError
+from onnxtrain.errors import InputError, ModelLoadError
 
 
 def _device_array(value: Any) -> jax.Array:
@@ -86,3 +86,15 @@ class StateStore:
                 raise InputError(f"state variable {name!r} is {current.dtype}; {value!r} does not "
                                  "fit it exactly")
         self.values = {**self.values, name: _device_array(converted)}
+
+    def restore(self, values: Mapping[str, Any], key: jax.Array, source: str) -> None:
+        """Replace everything by saved values, which must match the variables exactly."""
+        if set(values) != set(self.values):
+            raise ModelLoadError(f"{source} holds {sorted(values)} but this model's state is "
+                                 f"{sorted(self.values)}; it was saved from a different model")
+        for name, value in values.items():
+            current = self.values[name]
+            if np.shape(value) != current.shape or np.asarray(value).dtype != current.dtype:
+                raise ModelLoadError(f"{source}: {name!r} is {np.asarray(value).dtype}{list(np.shape(value))}, "
+                                     f"the model's is {current.dtype}{list(current.shape)}")
+        self.commit({name: _device_array(value) for name, value in values.items()}, key)

@@ -72,6 +72,7 @@ def test_checkpoint_round_trips_bits(tmp_path, dtype):
     values, restored_key, metadata = load_checkpoint(path)
     assert values["v"].dtype == np.dtype(dtype)
     assert values["v"].tobytes() == value.tobytes()
+    assert values["scalar"].shape == () and values["scalar"] == 5
     assert metadata == {"model": "m"}
     np.testing.assert_array_equal(jax.random.key_data(restored_key), jax.random.key_data(key))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.zip"]

@@ -1,0 +1,171 @@
+"""finetune: train an inference model's weights with any optax GradientTransformation.
+
+The step is jax.value_and_grad of the translated model plus the loss, then the
+optax update, in one jitted function with the weights and the optimizer's
+state donated. That state (moments, counts, schedule steps) lives in the
+StateStore next to the weights, flattened to arrays, so checkpoints cover it.
+The model runs as exported (inference mode: BatchNorm uses its running
+statistics, Dropout is off); make_training_model is the path for training-mode
+semantics and for recipes other runtimes can execute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from onnxtrain.builder import Trainable, trainable_names
+from onnxtrain.errors import BindingError, ExportError, OnnxTrainError, without_jax_notes
+from onnxtrain.feeds import check_feeds
+from onnxtrain.fitting import Batches, Callback, fit
+from onnxtrain.model import ModelSource, load_model, save_model
+from onnxtrain.programs import InferenceProgram, host_copy
+from onnxtrain.proto import ModelProto, ValueInfoProto
+from onnxtrain.state import checkpoint
+from onnxtrain.state.store import StateStore, StateView
+from onnxtrain.trainer import replace_initializer
+
+LossFunction = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of logits [N, C, ...] against class indices [N, ...]."""
+    log_probabilities = jax.nn.log_softmax(logits, axis=1)
+    picked = jnp.take_along_axis(log_probabilities, jnp.expand_dims(labels, 1).astype(jnp.int32), axis=1)
+    return -jnp.mean(picked)
+
+
+def _bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.maximum(logits, 0) - logits * labels + jax.nn.softplus(-jnp.abs(logits)))
+
+
+LOSSES: dict[str, LossFunction] = {
+    "mse": lambda prediction, label: jnp.mean((prediction - label) ** 2),
+    "l1": lambda prediction, label: jnp.mean(jnp.abs(prediction - label)),
+    "cross_entropy": _cross_entropy,
+    "bce_with_logits": _bce_with_logits,
+}
+
+
+class FineTuner:
+    """A model's weights trained by optax: step(), infer(), fit(), export(), checkpoints."""
+
+    def __init__(self, model: ModelSource, loss: str | LossFunction, optimizer: optax.GradientTransformation,
+                 output: str | None = None, trainable: Trainable = None, label: str = "labels",
+                 seed: int = 0):
+        self.model = load_model(model)
+        self.state_names = tuple(trainable_names(self.model, trainable))
+        if not self.state_names:
+            raise BindingError("no trainable weights: the model has no float initializers to train "
+                               "(or `trainable` selected none)")
+        if isinstance(loss, str) and loss not in LOSSES:
+            raise BindingError(f"loss={loss!r} is not one of {sorted(LOSSES)} (or pass a function "
+                               "(prediction, label) -> scalar)")
+        self._loss = LOSSES[loss] if isinstance(loss, str) else loss
+        outputs = [v.name for v in self.model.graph.output]
+        self.output = output or outputs[0]
+        if self.output not in outputs:
+            raise BindingError(f"output={self.output!r} is not an output of the model; outputs are {outputs}")
+        if label in {v.name for v in self.model.graph.input}:
+            raise BindingError(f"label={label!r} is already an input of the model; pass another name")
+        self.label = label
+        self._optimizer = optimizer
+        self._inference = InferenceProgram(self.model, self.state_names)
+        weights = {name: self._inference.translated.params[name] for name in self.state_names}
+        with jax.enable_x64(True):
+            slots, self._slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
+        self._slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
+        self._store = StateStore({**weights, **dict(zip(self._slot_names, slots))}, jax.random.key(seed))
+        self._declared = [*self._inference.declared_inputs, ValueInfoProto(name=label)]
+        self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._loss_only = jax.jit(self._objective)
+
+    @property
+    def state(self) -> StateView:
+        """The trained weights, read-only; each value read is a copy that stays valid."""
+        return self._store.view(self.state_names)
+
+    @property
+    def compilations(self) -> int:
+        return (self._jitted._cache_size() + self._loss_only._cache_size()
+                + self._inference.compilations())
+
+    def _objective(self, weights: dict[str, jax.Array], constants: dict[str, Any], feeds: dict[str, Any],
+                   key: jax.Array) -> jax.Array:
+        inputs = {name: value for name, value in feeds.items() if name != self.label}
+        outputs = self._inference.translated.apply({**constants, **weights}, inputs, key)
+        return self._loss(outputs[self.output], feeds[self.label])
+
+    def _step(self, values: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+              feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
+        key, subkey = jax.random.split(key)
+        weights = {name: values[name] for name in self.state_names}
+        slots = jax.tree_util.tree_unflatten(self._slot_tree, [values[n] for n in self._slot_names])
+        loss, grads = jax.value_and_grad(self._objective)(weights, constants, feeds, subkey)
+        updates, slots = self._optimizer.update(grads, slots, weights)
+        weights = optax.apply_updates(weights, updates)
+        new_slots = jax.tree_util.tree_leaves(slots)
+        return {**weights, **dict(zip(self._slot_names, new_slots))}, key, {"loss": loss}
+
+    def step(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """One optimizer step on a batch: the model's inputs plus the label; returns {"loss": ...}."""
+        checked = check_feeds(self._declared, feeds, "fine-tuning step")
+        with jax.enable_x64(True):
+            try:
+                values, key, outputs = self._jitted(self._store.values, self._store.key,
+                                                    self._inference.constants, checked)
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+        self._store.commit(values, key)
+        return outputs
+
+    def evaluate(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The loss on a batch with the current weights; changes nothing."""
+        checked = check_feeds(self._declared, feeds, "fine-tuning evaluation")
+        weights = {name: self._store.values[name] for name in self.state_names}
+        with jax.enable_x64(True):
+            return {"loss": self._loss_only(weights, self._inference.constants, checked, self._store.key)}
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """The model's outputs with the current weights."""
+        checked = check_feeds(self._inference.declared_inputs, feeds, "inference (main graph)")
+        return self._inference.run(self._store.values, checked, self._store.key)
+
+    def fit(self, batches: Batches, epochs: int = 1, progress: bool = True,
+            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None) -> dict[str, list[float]]:
+        """Train over `batches` (see onnxtrain.fitting for the history's layout)."""
+        return fit(self.step, batches, epochs, progress, callbacks, self.evaluate, eval_data)
+
+    def export(self, path: str | os.PathLike, training: bool = False,
+               external_data: bool | str | None = None) -> None:
+        """Write the inference model with the trained weights (for ONNX Runtime)."""
+        if training:
+            raise ExportError("an optax optimizer has no ONNX form, so finetune() exports inference "
+                              "models only; use make_training_model for a model that carries its recipe")
+        model = ModelProto()
+        model.CopyFrom(self.model)
+        for name, value in host_copy({n: self._store.values[n] for n in self.state_names}).items():
+            replace_initializer(model.graph, name, value)
+        save_model(model, path, external_data=external_data)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save the weights, the optimizer state and the PRNG key (no pickle)."""
+        checkpoint.save_checkpoint(path, host_copy(self._store.values), self._store.key,
+                                   {"model": self.model.graph.name})
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        values, key, _ = checkpoint.load_checkpoint(path)
+        self._store.restore(values, key, f"checkpoint {str(path)!r}")
+
+
+def finetune(model: ModelSource, loss: str | LossFunction = "cross_entropy",
+             optimizer: optax.GradientTransformation | None = None, *, output: str | None = None,
+             trainable: Trainable = None, label: str = "labels", seed: int = 0) -> FineTuner:
+    """A FineTuner for `model`: loss as in make_training_model (or a jax function
+    (prediction, label) -> scalar), any optax optimizer (default: adam 1e-3)."""
+    return FineTuner(model, loss, optimizer or optax.adam(1e-3), output, trainable, label, seed)
