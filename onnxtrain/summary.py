@@ -6,6 +6,9 @@ import math
 from collections import Counter
 
 from onnxtrain.proto import GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto
+from onnxtrain.proto.walk import iter_graphs
+from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
+from onnxtrain.translate.registry import normalize_domain, resolve
 from onnxtrain.translate.tensors import ELEMENT_TYPES, raw_size
 
 
@@ -60,6 +63,24 @@ def _graph_lines(label: str, graph: GraphProto, indent: str) -> list[str]:
     ]
 
 
+def unsupported_ops(model: ModelProto) -> list[str]:
+    """'domain::op (opset N)' for every operator in any graph that onnxtrain cannot run."""
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    functions = {(f.domain, f.name) for f in model.functions}
+    missing = set()
+    graphs = [graph for graph, _ in iter_graphs(model)]
+    graphs += [GraphProto(node=f.node) for f in model.functions]
+    for graph in graphs:
+        for node in graph.node:
+            domain = normalize_domain(node.domain)
+            if (node.domain, node.op_type) in functions:
+                continue
+            version = opsets.get(domain)
+            if version is None or resolve(domain, node.op_type, version) is None:
+                missing.add(f"{domain or 'ai.onnx'}::{node.op_type} (opset {version or 'not imported'})")
+    return sorted(missing)
+
+
 def describe(model: ModelProto) -> str:
     """Outline of the model: opsets, graphs, and each training recipe's state and bindings."""
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
@@ -85,4 +106,5 @@ def describe(model: ModelProto) -> str:
             f"{b.key} <- {b.value}" for b in info.update_binding) or "none"))
     if model.functions:
         lines.append("functions: " + ", ".join(f"{f.domain}::{f.name}" for f in model.functions))
+    lines.append("unsupported operators: " + (", ".join(unsupported_ops(model)) or "none"))
     return "\n".join(lines)

@@ -146,6 +146,10 @@ class Trainer:
         checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] step")
         return program.run(self._store, checked)
 
+    def step_inputs(self, algorithm: int = 0) -> list[str]:
+        """The feed names step(feeds, algorithm) takes."""
+        return [value.name for value in self._step_program(algorithm).declared_inputs]
+
     def _step_program(self, algorithm: int) -> StepProgram:
         if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._steps):
             raise InputError(f"algorithm={algorithm!r}: the model has {len(self._steps)} "
