@@ -1,0 +1,40 @@
+"""The notebooks run top to bottom in a fresh kernel, and say what they should.
+
+Each notebook is executed with nbclient; the checks read the printed text of
+the cells that report results, so a notebook that silently stops training or
+drifts from onnxruntime fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+nbclient = pytest.importorskip("nbclient")
+nbformat = pytest.importorskip("nbformat")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _run(name: str, tmp_path: Path) -> str:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    return "\n".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                     for output in cell.get("outputs", []))
+
+
+def _figure(text: str, pattern: str) -> float:
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not found in the notebook's output:\n{text[-2000:]}"
+    return float(match.group(1))
+
+
+def test_quickstart(tmp_path):
+    text = _run("01_quickstart.ipynb", tmp_path)
+    assert _figure(text, r"accuracy ([\d.]+)") > 0.9
+    assert _figure(text, r"compilations (\d+)") == 3
+    assert _figure(text, r"max difference: ([\deE.+-]+)") < 1e-5
+    assert "resumed state equals: True" in text
