@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from onnxtrain.translate.ops.common import float_attr
 from onnxtrain.translate.registry import TRAINING_DOMAIN, op
 
 
@@ -59,9 +60,9 @@ def _update_all(node: Any, r: Any, t: Any, tensors: Sequence[Any], per_tensor: i
 @op("Adagrad", since=1, domain=TRAINING_DOMAIN)
 def adagrad(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     """X -= R/(1+T*decay) * G' / (sqrt(H + G'^2) + eps), H += G'^2, with G' = G + nc*X."""
-    norm = node.attr("norm_coefficient", 0.0)
-    decay = node.attr("decay_factor", 0.0)
-    epsilon = node.attr("epsilon", 1e-6)
+    norm = float_attr(node, "norm_coefficient", 0.0)
+    decay = float_attr(node, "decay_factor", 0.0)
+    epsilon = float_attr(node, "epsilon", 1e-6)
 
     def update(rate, step, x, g, h):
         g_reg = g + _coefficient(norm, x) * x
@@ -101,11 +102,11 @@ def momentum(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
 def adam(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     """V = alpha*V + (1-alpha)*G', H = beta*H + (1-beta)*G'^2 with G' = G + nc*X;
     X = (1-nc_post) * (X - R' * V / (sqrt(H) + eps)), R' bias-corrected only when T > 0."""
-    alpha = node.attr("alpha", 0.9)
-    beta = node.attr("beta", 0.999)
-    epsilon = node.attr("epsilon", 1e-6)
-    norm = node.attr("norm_coefficient", 0.0)
-    norm_post = node.attr("norm_coefficient_post", 0.0)
+    alpha = float_attr(node, "alpha", 0.9)
+    beta = float_attr(node, "beta", 0.999)
+    epsilon = float_attr(node, "epsilon", 1e-6)
+    norm = float_attr(node, "norm_coefficient", 0.0)
+    norm_post = float_attr(node, "norm_coefficient_post", 0.0)
 
     def update(rate, step, x, g, v, h):
         g_reg = g + _coefficient(norm, x) * x
