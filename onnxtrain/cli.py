@@ -1,6 +1,6 @@
 """The `onnxtrain` command (also `python -m onnxtrain`).
 
-    onnxtrain demo                      fine-tune the bundled model on the bundled data
+    onnxtrain demo                      fine-tune the bundled exported CNN on the bundled digits
     onnxtrain inspect MODEL             graphs, opsets, state, bindings, unsupported ops
     onnxtrain make-training MODEL -o OUT --loss cross_entropy --optimizer adam --lr 1e-3
     onnxtrain train MODEL --data D.npz --epochs 3 -o OUT [--inference-out SERVE.onnx]
@@ -23,6 +23,7 @@ from onnxtrain.model import load_model, save_model
 from onnxtrain.summary import describe
 
 DEMO_MODEL = "mlp_classifier.onnx"
+FINETUNE_DEMO_MODEL = "digits_cnn.onnx"
 OPTIMIZERS = ("adam", "momentum", "sgd", "adagrad")
 
 
@@ -32,13 +33,11 @@ def demo_model_path() -> Path:
 
 
 def _demo(arguments: argparse.Namespace) -> int:
-    from onnxtrain.demo import train_demo
+    from onnxtrain.demo import finetune_demo
 
-    path = demo_model_path()
-    print(f"onnxtrain demo: the bundled model {path.name}\n")
-    print(describe(load_model(path)))
-    print()
-    train_demo(path, out_dir=arguments.out)
+    path = Path(str(resources.files("onnxtrain") / "models" / FINETUNE_DEMO_MODEL))
+    print("onnxtrain demo: fine-tune a model exported by PyTorch, then serve it with ONNX Runtime\n")
+    finetune_demo(path, out_dir=arguments.out, progress=not arguments.quiet)
     return 0
 
 
@@ -112,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="fine-tune the bundled model and export it")
     demo.add_argument("--out", type=Path, help="folder for the exported model (default: a new temporary one)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
     for name in ("inspect", "info"):
         inspect = commands.add_parser(name, help="print the outline of an ONNX model")

@@ -10,6 +10,7 @@ thread, deterministic algorithms):
 - tests/fixtures/digits.npz: the 8x8 digits (UCI, CC BY 4.0: see SOURCE),
   images float32 in [0, 1];
 - onnxtrain/models/digits.npz: the same, images uint8 0..16 (for the demo);
+- onnxtrain/models/digits_cnn.onnx: a copy of the CNN fixture (the demo fine-tunes it);
 - tests/fixtures/torch/{mlp,cnn,transformer}.onnx, exported with the legacy
   TorchScript exporter, opset 17, input "x", output "logits", dynamic "batch";
 - tests/fixtures/torch/<name>_oracle.npz: batches, gradients, SGD trajectories
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 OUTPUT = FIXTURES / "torch"
 DEMO_DIGITS = ROOT / "onnxtrain" / "models" / "digits.npz"
+DEMO_MODEL = ROOT / "onnxtrain" / "models" / "digits_cnn.onnx"
 SOURCE = ("UCI Optical Recognition of Handwritten Digits, E. Alpaydin and C. Kaynak (1998), its test set "
           "(1797 8x8 images of pixel counts 0..16), CC BY 4.0, "
           "https://archive.ics.uci.edu/ml/datasets/Optical+Recognition+of+Handwritten+Digits, "
@@ -236,6 +238,8 @@ def main() -> None:
                         note=np.array("images are uint8 pixel counts 0..16: divide by 16 for [0, 1]"))
     for name, (onnx_bytes, arrays) in build().items():
         (OUTPUT / f"{name}.onnx").write_bytes(onnx_bytes)
+        if name == "cnn":
+            DEMO_MODEL.write_bytes(onnx_bytes)
         np.savez_compressed(OUTPUT / f"{name}_oracle.npz", **arrays)
 
 

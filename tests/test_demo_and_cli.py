@@ -8,6 +8,7 @@ step), and onnxruntime's inference against a numpy forward pass.
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,27 +64,31 @@ def test_onnxruntime_serves_the_demo_model_like_a_numpy_forward_pass():
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_demo_prints_the_model_structure_and_trains_it(capsys, tmp_path):
-    assert main(["demo", "--out", str(tmp_path)]) == 0
+def test_demo_fine_tunes_the_exported_cnn_and_onnxruntime_serves_it(capsys, tmp_path):
+    assert main(["demo", "--quiet", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    for expected in ("mlp_classifier", "training_info[0]", "ai.onnx.preview.training::Adam",
-                     "state variables (13)", "W1 <- W1_new", "X float32[batch, 2]",
-                     "3 compilations", "accuracy"):
-        assert expected in printed
-    exported = tmp_path / "mlp_classifier_trained.onnx"
+    before, after = (float(v) for v in re.search(r"test accuracy\s+([\d.]+) -> ([\d.]+)", printed).groups())
+    assert before < 0.7 and after > 0.9
+    losses = [float(v) for v in re.search(r"loss per epoch\s+(.*)", printed).group(1).split(" -> ")]
+    assert losses[-1] < 0.2 * losses[0]
+    assert "3 compilations" in printed
+    exported = tmp_path / "digits_cnn_finetuned.onnx"
     assert not onnx.load(exported).training_info
+    assert float(re.search(r"largest difference from onnxtrain ([\deE.+-]+)", printed).group(1)) < 1e-4
 
 
-def test_demo_training_learns_the_spirals_and_onnxruntime_serves_the_result(tmp_path):
-    from onnxtrain.demo import spirals, train_demo
+def test_quickstart_spirals_are_learnable_by_the_bundled_training_model():
+    from onnxtrain import Trainer
+    from onnxtrain.demo import spirals
 
-    figures = train_demo(demo_model_path(), epochs=40, out_dir=tmp_path)
-    assert figures["last_loss"] < 0.2 * figures["first_loss"]
-    assert figures["accuracy_after"] > 0.9 > figures["accuracy_before"]
     x, labels = spirals()
-    session = onnxruntime.InferenceSession(str(tmp_path / "mlp_classifier_trained.onnx"))
-    (logits,) = session.run(None, {"X": x})
-    assert np.mean(logits.argmax(axis=1) == labels) == figures["accuracy_after"]
+    trainer = Trainer(demo_model_path(), seed=0)
+    trainer.initialize()
+    history = trainer.fit([{"X": x[i:i + 60], "labels": labels[i:i + 60]} for i in range(0, 600, 60)],
+                          epochs=30, progress=False)
+    assert history["epoch_loss"][-1] < 0.2 * history["epoch_loss"][0]
+    logits = np.asarray(trainer.infer({"X": x})["logits"])
+    assert np.mean(logits.argmax(axis=1) == labels) > 0.9
 
 
 def test_info_on_a_missing_file_is_one_clear_line(tmp_path):
