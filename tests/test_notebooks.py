@@ -38,3 +38,14 @@ def test_quickstart(tmp_path):
     assert _figure(text, r"compilations (\d+)") == 3
     assert _figure(text, r"max difference: ([\deE.+-]+)") < 1e-5
     assert "resumed state equals: True" in text
+
+
+def test_finetune_exported_model(tmp_path):
+    text = _run("02_finetune_exported_model.ipynb", tmp_path)
+    before = _figure(text, r"test accuracy before fine-tuning: ([\d.]+)")
+    after = _figure(text, r"test accuracy after fine-tuning: ([\d.]+)")
+    assert before < 0.7 and after > 0.9
+    assert _figure(text, r"onnxruntime accuracy ([\d.]+)") == after
+    assert _figure(text, r"max difference from onnxtrain: ([\deE.+-]+)") < 1e-4
+    first, last = (float(v) for v in re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", text).groups())
+    assert last < 0.5 * first
