@@ -1,4 +1,5 @@
-"""The benchmark models of shared/docs/performance-anchors.md, as ONNX and as hand-written JAX.
+"""The benchmark models of shared/docs/performance-anchors.md, as ONNX and as hand-written JAX
+(inference, and training with cross-entropy + Adam).
 
 Both versions share the same weights so their outputs can be checked equal
 before anything is timed.
@@ -97,3 +98,94 @@ def cnn_jax(params: dict, x: jax.Array) -> jax.Array:
     h = _max_pool_2x2(jnp.maximum(_conv(x, params["C1"], params["c1"]), 0))
     h = _max_pool_2x2(jnp.maximum(_conv(h, params["C2"], params["c2"]), 0))
     return h.reshape(h.shape[0], -1) @ params["W"] + params["B"]
+
+
+# ---------------------------------------------------------------------------
+# Training: mean softmax cross-entropy + Adam (the spec's, ai.onnx.preview.training)
+
+TRAINING_DOMAIN = "ai.onnx.preview.training"
+ADAM = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8}
+LEARNING_RATE = 1e-3
+
+
+def training_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (input x, output logits [batch, classes]) with a TrainingInfoProto.
+
+    Algorithm: labels (int64 [batch]) -> SoftmaxCrossEntropyLoss(mean) -> Gradient over
+    every initializer of the main graph (zs = x, labels) -> Adam(R, T, W..., G..., V..., H...)
+    with R = LEARNING_RATE and a 1-based int64 step counter T (T_new = T + 1). Every weight,
+    its V and H moments and T are bound by update_binding; `loss` is the step's output.
+    """
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    names = list(weights)
+    moments = [f"{m}_{w}" for m in "VH" for w in names]
+    state = [*names, *moments, "T"]
+    nodes = [
+        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], reduction="mean"),
+        helper.make_node("Gradient", [*names, "x", "labels"], [f"d_{w}" for w in names],
+                         domain=TRAINING_DOMAIN, xs=names, zs=["x", "labels"], y="loss"),
+        helper.make_node("Adam", ["R", "T", *names, *[f"d_{w}" for w in names], *moments],
+                         [f"{s}_new" for s in [*names, *moments]], domain=TRAINING_DOMAIN, **ADAM),
+        helper.make_node("Add", ["T", "ONE"], ["T_new"]),
+    ]
+    initializer = ([numpy_helper.from_array(np.array(LEARNING_RATE, np.float32), "R"),
+                    numpy_helper.from_array(np.array(1, np.int64), "ONE"),
+                    numpy_helper.from_array(np.array(1, np.int64), "T")]
+                   + [numpy_helper.from_array(np.zeros_like(weights[w]), f"{m}_{w}")
+                      for m in "VH" for w in names])
+    shapes = {**{w: v.shape for w, v in weights.items()},
+              **{f"{m}_{w}": v.shape for m in "VH" for w, v in weights.items()}}
+    outputs = ([helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
+               + [helper.make_tensor_value_info(f"{s}_new", TensorProto.FLOAT, list(shapes[s]))
+                  for s in [*names, *moments]]
+               + [helper.make_tensor_value_info("T_new", TensorProto.INT64, [])])
+    algorithm = helper.make_graph(
+        nodes, "adam_step", [helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"])],
+        outputs, initializer=initializer)
+    training = helper.make_model(
+        model.graph, ir_version=10,
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(TRAINING_DOMAIN, 1)])
+    training.training_info.append(
+        helper.make_training_info(algorithm, [(s, f"{s}_new") for s in state], None, None))
+    return training
+
+
+def cross_entropy_jax(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of logits [batch, classes] against class indices [batch]."""
+    log_prob = jax.nn.log_softmax(logits, axis=1)
+    return -jnp.mean(jnp.take_along_axis(log_prob, labels[:, None], axis=1))
+
+
+def adam_state_jax(weights: dict[str, np.ndarray]) -> dict:
+    """The state of train_step_jax: weights, V and H moments (zeros), 1-based counter t."""
+    return {"params": {k: jnp.array(v) for k, v in weights.items()},
+            "v": {k: jnp.zeros(v.shape, v.dtype) for k, v in weights.items()},
+            "h": {k: jnp.zeros(v.shape, v.dtype) for k, v in weights.items()},
+            "t": jnp.asarray(1, jnp.int32)}
+
+
+def train_step_jax(forward):
+    """The training step of training_onnx by hand: one jax.jit around jax.value_and_grad and
+    the spec's Adam (norm coefficients 0), state donated. step(state, x, labels) -> (state, loss).
+
+    Adam of ai.onnx.preview.training: v = a*v + (1-a)*g; h = b*h + (1-b)*g^2;
+    r' = r*sqrt(1-b^T)/(1-a^T) if T > 0 else r; x -= r' * v / (sqrt(h) + eps).
+    Coefficients are those the ONNX attributes store (float32).
+    """
+    alpha, beta, epsilon = (float(np.float32(ADAM[k])) for k in ("alpha", "beta", "epsilon"))
+    rate = float(np.float32(LEARNING_RATE))
+
+    def loss_fn(params, x, labels):
+        return cross_entropy_jax(forward(params, x), labels)
+
+    def step(state, x, labels):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, labels)
+        t = state["t"].astype(jnp.float32)
+        corrected = jnp.where(t > 0, rate * jnp.sqrt(1 - beta ** t) / (1 - alpha ** t), rate)
+        v = jax.tree.map(lambda v, g: alpha * v + (1 - alpha) * g, state["v"], grads)
+        h = jax.tree.map(lambda h, g: beta * h + (1 - beta) * g * g, state["h"], grads)
+        params = jax.tree.map(lambda p, v, h: p - corrected * v / (jnp.sqrt(h) + epsilon),
+                              state["params"], v, h)
+        return {"params": params, "v": v, "h": h, "t": state["t"] + 1}, loss
+
+    return jax.jit(step, donate_argnums=0)

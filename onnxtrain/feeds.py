@@ -43,38 +43,56 @@ def _as_array(name: str, value: Any, dtype: np.dtype | None) -> Any:
     return converted
 
 
-def check_feeds(declared: Sequence[ValueInfoProto], feeds: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The feeds as arrays, after checking names, dtypes, ranks and dims against `declared`."""
-    if not isinstance(feeds, Mapping):
-        raise InputError(f"{where} takes a mapping of input name -> array, got {type(feeds).__name__}")
-    names = [info.name for info in declared]
-    missing = [name for name in names if name not in feeds]
-    unknown = sorted(set(feeds) - set(names))
-    if missing or unknown:
+class FeedChecker:
+    """Checks feeds against declared inputs; the declarations are digested once, so a
+    training loop pays only for the comparisons."""
+
+    def __init__(self, declared: Sequence[ValueInfoProto], where: str):
+        self.where = where
+        self.names = [info.name for info in declared]
+        self._inputs = []
+        for info in declared:
+            dims = None
+            tensor = info.type.tensor_type
+            if info.type.HasField("tensor_type") and tensor.HasField("shape"):
+                dims = [(d.dim_value if d.HasField("dim_value") else None, d.dim_param) for d in tensor.shape.dim]
+            self._inputs.append((info.name, _expected_dtype(info.type, info.name), dims))
+
+    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """The feeds as arrays, after checking names, dtypes, ranks and dims."""
+        if not isinstance(feeds, Mapping):
+            raise InputError(f"{self.where} takes a mapping of input name -> array, got "
+                             f"{type(feeds).__name__}")
+        if len(feeds) != len(self.names) or any(name not in feeds for name in self.names):
+            self._name_error(feeds)
+        symbols: dict[str, tuple[int, str]] = {}
+        checked = {}
+        for name, dtype, dims in self._inputs:
+            array = checked[name] = _as_array(name, feeds[name], dtype)
+            if dims is not None:
+                self._check_shape(name, np.shape(array), dims, symbols)
+        return checked
+
+    def _name_error(self, feeds: Mapping[str, Any]) -> None:
+        missing = [name for name in self.names if name not in feeds]
+        unknown = sorted(set(feeds) - set(self.names))
         parts = ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
-        raise InputError(f"{where} takes inputs {names}: {'; '.join(parts)}")
-    symbols: dict[str, tuple[int, str]] = {}
-    checked = {}
-    for info in declared:
-        name = info.name
-        array = _as_array(name, feeds[name], _expected_dtype(info.type, name))
-        checked[name] = array
-        if not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
-            continue
-        dims = info.type.tensor_type.shape.dim
-        shape = np.shape(array)
-        declared_shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in dims]
+        raise InputError(f"{self.where} takes inputs {self.names}: {'; '.join(parts)}")
+
+    @staticmethod
+    def _check_shape(name: str, shape: tuple[int, ...], dims: list[tuple[int | None, str]],
+                     symbols: dict[str, tuple[int, str]]) -> None:
+        declared = [param or (value if value is not None else "?") for value, param in dims]
         if len(shape) != len(dims):
-            raise InputError(f"input {name!r} must have rank {len(dims)} (shape {declared_shape}), "
+            raise InputError(f"input {name!r} must have rank {len(dims)} (shape {declared}), "
                              f"got shape {list(shape)}")
-        for axis, (dim, size) in enumerate(zip(dims, shape)):
-            if dim.HasField("dim_value") and dim.dim_value != size:
-                raise InputError(f"input {name!r} must have size {dim.dim_value} on axis {axis} "
-                                 f"(shape {declared_shape}), got shape {list(shape)}")
-            if dim.dim_param:
-                seen = symbols.setdefault(dim.dim_param, (size, name))
+        for axis, ((value, param), size) in enumerate(zip(dims, shape)):
+            if value is not None and value != size:
+                raise InputError(f"input {name!r} must have size {value} on axis {axis} "
+                                 f"(shape {declared}), got shape {list(shape)}")
+            if param:
+                seen = symbols.setdefault(param, (size, name))
                 if seen[0] != size:
                     raise InputError(
-                        f"input {name!r} axis {axis} is {dim.dim_param!r} = {size}, but input "
-                        f"{seen[1]!r} has {dim.dim_param!r} = {seen[0]}; they must agree")
-    return checked
+                        f"input {name!r} axis {axis} is {param!r} = {size}, but input "
+                        f"{seen[1]!r} has {param!r} = {seen[0]}; they must agree")

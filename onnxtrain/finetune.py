@@ -21,7 +21,7 @@ import optax
 
 from onnxtrain.builder import Trainable, trainable_names
 from onnxtrain.errors import BindingError, ExportError, OnnxTrainError, without_jax_notes
-from onnxtrain.feeds import check_feeds
+from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, host_copy
@@ -81,7 +81,8 @@ class FineTuner:
             slots, self._slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
         self._slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
         self._store = StateStore({**weights, **dict(zip(self._slot_names, slots))}, jax.random.key(seed))
-        self._declared = [*self._inference.declared_inputs, ValueInfoProto(name=label)]
+        self._check_feeds = FeedChecker([*self._inference.declared_inputs, ValueInfoProto(name=label)],
+                                        "fine-tuning step")
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._loss_only = jax.jit(self._objective)
 
@@ -114,7 +115,7 @@ class FineTuner:
 
     def step(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
         """One optimizer step on a batch: the model's inputs plus the label; returns {"loss": ...}."""
-        checked = check_feeds(self._declared, feeds, "fine-tuning step")
+        checked = self._check_feeds(feeds)
         with jax.enable_x64(True):
             try:
                 values, key, outputs = self._jitted(self._store.values, self._store.key,
@@ -126,14 +127,14 @@ class FineTuner:
 
     def evaluate(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
         """The loss on a batch with the current weights; changes nothing."""
-        checked = check_feeds(self._declared, feeds, "fine-tuning evaluation")
+        checked = self._check_feeds(feeds)
         weights = {name: self._store.values[name] for name in self.state_names}
         with jax.enable_x64(True):
             return {"loss": self._loss_only(weights, self._inference.constants, checked, self._store.key)}
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The model's outputs with the current weights."""
-        checked = check_feeds(self._inference.declared_inputs, feeds, "inference (main graph)")
+        checked = self._inference.check_feeds(feeds)
         return self._inference.run(self._store.values, checked, self._store.key)
 
     def fit(self, batches: Batches, epochs: int = 1, progress: bool = True,

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
+from onnxtrain.feeds import FeedChecker
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.state.store import StateStore
 from onnxtrain.training import combined_graph, initializer_names, model_of
+from onnxtrain.translate.graph import draws_random
 from onnxtrain.translate.model import TranslatedModel, static_input_names
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.values import NeedsHostValues, to_host
@@ -62,6 +64,8 @@ class _Program:
         self.constants = {n: v for n, v in self.translated.params.items() if n not in self.variables}
         declared = set(self.translated.input_names)
         self.declared_inputs = [value for value in graph.input if value.name in declared]
+        self.check_feeds = FeedChecker(
+            self.declared_inputs, "inference (main graph)" if where == "main graph" else f"{where} step")
 
     def params(self, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**self.constants, **{name: values[name] for name in self.variables}}
@@ -99,6 +103,8 @@ class StepProgram(_Program):
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound = {value for _, value in self.bindings}
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
+        # Only graphs with random ops advance the key: a split costs a loop in every step.
+        self.random = draws_random(self.translated.plan)
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._dry_run = jax.jit(self._step)
 
@@ -109,7 +115,7 @@ class StepProgram(_Program):
 
     def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
               feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
-        key, subkey = jax.random.split(key)
+        key, subkey = jax.random.split(key) if self.random else (key, None)
         outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
                                         feeds, subkey)
         return self._assign(state, outputs), key, {name: outputs[name] for name in self.returned}
@@ -138,7 +144,7 @@ class StepProgram(_Program):
                 return self._eager_step(store, feeds)[2]
 
     def _eager_step(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        key, subkey = jax.random.split(store.key)
+        key, subkey = jax.random.split(store.key) if self.random else (store.key, None)
         params = {name: to_host(value) for name, value in self.params(store.values).items()}
         host_feeds = {name: to_host(value) for name, value in feeds.items()}
         outputs = self.translated.apply(params, host_feeds, subkey, eager=True)

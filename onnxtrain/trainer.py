@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
-from onnxtrain.feeds import check_feeds
 from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
@@ -143,7 +142,7 @@ class Trainer:
     def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """One training step of training_info[algorithm]; returns the outputs no binding consumes."""
         program = self._step_program(algorithm)
-        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] step")
+        checked = program.check_feeds(feeds)
         return program.run(self._store, checked)
 
     def step_inputs(self, algorithm: int = 0) -> list[str]:
@@ -158,7 +157,7 @@ class Trainer:
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The main graph's outputs with the current state; changes nothing."""
-        checked = check_feeds(self._inference.declared_inputs, feeds, "inference (main graph)")
+        checked = self._inference.check_feeds(feeds)
         key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
         return self._inference.run(self._store.values, checked, key)
 
@@ -177,7 +176,7 @@ class Trainer:
     def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """What step() would return for these feeds, without changing any state."""
         program = self._step_program(algorithm)
-        checked = check_feeds(program.declared_inputs, feeds, f"training_info[{algorithm}] evaluation")
+        checked = program.check_feeds(feeds)
         return program.evaluate(self._store, checked)
 
     def export(self, path: str | os.PathLike, training: bool = True,

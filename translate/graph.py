@@ -213,13 +213,19 @@ def node_reads(spec: NodeSpec) -> set[str]:
 
 
 def free_names(plan: GraphPlan) -> set[str]:
-    """Names a graph reads from its enclosing scope."""
+    """Names a graph (with the graphs nested in it) reads from its enclosing scopes."""
     defined = set(plan.inputs) | set(plan.constants)
     free: set[str] = set()
     for spec in plan.nodes:
         free |= node_reads(spec) - defined
         defined |= set(spec.proto.output)
-    return free
+    return free | (set(plan.outputs) - defined)
+
+
+def draws_random(plan: GraphPlan) -> bool:
+    """True when the plan or any graph nested in it has a random op."""
+    return any(spec.random or any(draws_random(sub) for sub in spec.subgraphs.values())
+               for spec in plan.nodes)
 
 
 def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, Any],

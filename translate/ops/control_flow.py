@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import OnnxTrainError
-from onnxtrain.translate.graph import GraphPlan, evaluate_plan
+from onnxtrain.translate.graph import GraphPlan, draws_random, evaluate_plan, free_names
 from onnxtrain.translate.node import Evaluation, Node
 from onnxtrain.translate.ops.common import normalize_axis
 from onnxtrain.translate.registry import op
@@ -41,25 +41,6 @@ class _NotAScan(Exception):
 # Subgraph evaluation
 
 
-def _draws_random(plan: GraphPlan) -> bool:
-    """True when the plan or any graph nested in it has a random op."""
-    return any(spec.random or any(_draws_random(sub) for sub in spec.subgraphs.values())
-               for spec in plan.nodes)
-
-
-def _outer_names(plan: GraphPlan) -> set[str]:
-    """Names the plan (with its nested graphs) reads from enclosing scopes."""
-    defined = set(plan.inputs) | set(plan.constants)
-    outer = set()
-    for spec in plan.nodes:
-        outer.update(name for name in spec.proto.input if name and name not in defined)
-        for sub in spec.subgraphs.values():
-            outer.update(name for name in _outer_names(sub) if name not in defined)
-        defined.update(spec.proto.output)
-    outer.update(name for name in plan.outputs if name not in defined)
-    return outer
-
-
 class _Body:
     """A graph attribute of a node, evaluated per iteration (or branch) in the node's scope.
 
@@ -71,7 +52,7 @@ class _Body:
     def __init__(self, node: Node, attr_name: str):
         self.node = node
         self.plan = node.subgraph_plan(attr_name)
-        self.key = node.next_key() if _draws_random(self.plan) else None
+        self.key = node.next_key() if draws_random(self.plan) else None
 
     def __call__(self, index: Any, inputs: Sequence[Any]) -> list[Any]:
         key = None if self.key is None else jax.random.fold_in(self.key, index)
@@ -89,7 +70,7 @@ class _Body:
             return True
         scope = self.node.scope
         return self.node.host and all(
-            is_host(scope[name]) for name in _outer_names(self.plan) if name in scope)
+            is_host(scope[name]) for name in free_names(self.plan) if name in scope)
 
     def passed_through(self, first_input: int, first_output: int, count: int) -> set[int]:
         """Slots k < count whose body output is the body input itself (loop-invariant values)."""

@@ -49,6 +49,12 @@ def _coefficient(value: Any, like: Any) -> jax.Array:
     return jnp.asarray(value, jnp.float64).astype(jnp.asarray(like).dtype)
 
 
+def _regularized(g: jax.Array, x: jax.Array, norm: float) -> jax.Array:
+    """G + norm * X; with norm 0 the term is left out (XLA keeps 0 * X, since 0 * inf is NaN,
+    which costs a read of every weight per step)."""
+    return g + _coefficient(norm, x) * x if norm else g
+
+
 def _update_all(node: Any, r: Any, t: Any, tensors: Sequence[Any], per_tensor: int,
                 update: Callable[..., tuple[Any, ...]]) -> tuple[Any, ...]:
     rate = jnp.asarray(r).astype(jnp.float64).reshape(())
@@ -65,7 +71,7 @@ def adagrad(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     epsilon = float_attr(node, "epsilon", 1e-6)
 
     def update(rate, step, x, g, h):
-        g_reg = g + _coefficient(norm, x) * x
+        g_reg = _regularized(g, x, norm)
         h_new = h + (g_reg * g_reg).astype(h.dtype)
         decayed_rate = _coefficient(rate / (1.0 + step * decay), x)
         root = jnp.sqrt(h_new).astype(x.dtype) + _coefficient(epsilon, x)
@@ -89,7 +95,7 @@ def momentum(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
         raise node.error(f"mode must be 'standard' or 'nesterov', got {mode!r}")
 
     def update(rate, step, x, g, v):
-        g_reg = g + _coefficient(norm, x) * x
+        g_reg = _regularized(g, x, norm)
         gradient_scale = _coefficient(jnp.where(step > 0, beta, 1.0), v)
         v_new = (_coefficient(alpha, v) * v + gradient_scale * g_reg).astype(v.dtype)
         direction = v_new if mode == "standard" else g_reg + _coefficient(alpha, x) * v_new
@@ -109,7 +115,7 @@ def adam(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     norm_post = float_attr(node, "norm_coefficient_post", 0.0)
 
     def update(rate, step, x, g, v, h):
-        g_reg = g + _coefficient(norm, x) * x
+        g_reg = _regularized(g, x, norm)
         v_new = (_coefficient(alpha, v) * v + _coefficient(1.0 - alpha, v) * g_reg).astype(v.dtype)
         h_new = (_coefficient(beta, h) * h
                  + _coefficient(1.0 - beta, h) * g_reg * g_reg).astype(h.dtype)

@@ -1,0 +1,152 @@
+"""Training step of TrainingInfoProto models versus hand-written jax.jit + value_and_grad, side by side.
+
+Targets: the MLP and CNN of shared/docs/performance-anchors.md (batch 64, float32)
+as training models (mean softmax cross-entropy, Gradient, Adam, lr 1e-3,
+betas .9/.999, eps 1e-8), one onnxtrain.Trainer.step per step within 1.10x of a
+hand-written jax.jit of jax.value_and_grad and the same Adam with the state
+donated, each compiling once. Both start from the same weights and are first
+checked to give the same losses and weights over 3 steps. Every step feeds a
+numpy batch (cycling through a few) and reads the loss back to a Python float.
+Each round times both versions back to back after a warm-up, alternating which
+goes first; the ratio reported is the median over rounds of per-round medians.
+A full run takes about 1-1.5 minutes on 2 cores (--cnn-calls lowers the CNN's share).
+
+Usage: python bench/training_step.py [--rounds 9] [--calls 300] [--cnn-calls 300] [--warmup 50] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import models  # noqa: E402
+
+import onnxtrain  # noqa: E402
+
+BATCH, BATCHES, CHECK_STEPS = 64, 8, 3
+
+
+def _median_step_seconds(step, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _Stepper:
+    """A training step as a zero-argument call cycling through the batches; returns the loss."""
+
+    def __init__(self, run, batches: list[dict[str, np.ndarray]]):
+        self.run, self.batches, self.count = run, batches, 0
+
+    def __call__(self) -> float:
+        batch = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        return self.run(batch)
+
+
+def _check_same(name: str, trainer: onnxtrain.Trainer, ours: _Stepper, theirs: _Stepper,
+                hand: dict) -> None:
+    """CHECK_STEPS steps of each from the same start: same losses, weights, moments, counter."""
+    losses = [(ours(), theirs()) for _ in range(CHECK_STEPS)]
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-4, err_msg=f"{name} losses")
+    worst_loss = max(abs(a - b) / abs(b) for a, b in losses)
+    worst_tensor = 0.0
+    state = hand["state"]
+    for weight in state["params"]:
+        for ours_name, theirs_value in ((weight, state["params"][weight]),
+                                        (f"V_{weight}", state["v"][weight]),
+                                        (f"H_{weight}", state["h"][weight])):
+            actual, expected = np.asarray(trainer.state[ours_name]), np.asarray(theirs_value)
+            scale = np.abs(expected).max()
+            np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6 * scale,
+                                       err_msg=f"{name} {ours_name}")
+            worst_tensor = max(worst_tensor, float(np.max(np.abs(actual - expected)) / scale))
+    assert int(trainer.state["T"]) == int(state["t"]) == CHECK_STEPS + 1
+    print(f"{name:<6} check: {CHECK_STEPS} steps, losses {' '.join(f'{a:.6f}' for a, _ in losses)} "
+          f"(onnxtrain) vs {' '.join(f'{b:.6f}' for _, b in losses)} (hand-written), max relative "
+          f"difference {worst_loss:.1e}; weights, V, H and T equal (rtol 1e-4; max |difference| / "
+          f"max |value| {worst_tensor:.1e})")
+
+
+def compare(name: str, onnx_model, forward, weights, batches, rounds: int, calls: int,
+            warmup: int) -> float:
+    start = time.perf_counter()
+    trainer = onnxtrain.Trainer(models.training_onnx(onnx_model), seed=0)
+    ours = _Stepper(lambda batch: float(trainer.step(batch)["loss"]), batches)
+
+    traces = []
+    hand_step = models.train_step_jax(forward)
+    hand = {"state": models.adam_state_jax(weights)}
+
+    def hand_run(batch):
+        traces.append(1)
+        hand["state"], loss = hand_step(hand["state"], batch["x"], batch["labels"])
+        return float(loss)
+
+    theirs = _Stepper(hand_run, batches)
+    _check_same(name, trainer, ours, theirs, hand)
+    for _ in range(warmup):
+        ours(), theirs()
+    setup = time.perf_counter() - start
+    compiles_before = trainer.compilations
+    ratios, our_times, their_times = [], [], []
+    for index in range(rounds):
+        pair = (ours, theirs) if index % 2 == 0 else (theirs, ours)
+        measured = {id(f): _median_step_seconds(f, calls) for f in pair}
+        our_times.append(measured[id(ours)])
+        their_times.append(measured[id(theirs)])
+        ratios.append(measured[id(ours)] / measured[id(theirs)])
+    compiles = trainer.compilations
+    ratio = statistics.median(ratios)
+    print(f"{name:<6} onnxtrain {statistics.median(our_times) * 1e3:7.3f} ms/step   "
+          f"hand-written jit {statistics.median(their_times) * 1e3:7.3f} ms/step   "
+          f"ratio {ratio:5.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f}, target <= 1.10: "
+          f"{'met' if ratio <= 1.10 else 'MISSED'})")
+    print(f"{'':<6} {rounds} rounds x {calls} timed steps each after {warmup} warm-up; "
+          f"compilations: onnxtrain {compiles} (unchanged over the timed steps: "
+          f"{compiles == compiles_before}), hand-written {hand_step._cache_size()}; "
+          f"setup incl. compile and check {setup:.1f} s")
+    return ratio
+
+
+def _batches(rng: np.random.Generator, shape: tuple[int, ...]) -> list[dict[str, np.ndarray]]:
+    return [{"x": rng.standard_normal((BATCH, *shape)).astype(np.float32),
+             "labels": rng.integers(0, 10, BATCH).astype(np.int64)} for _ in range(BATCHES)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--calls", type=int, default=300, help="timed MLP steps per round")
+    parser.add_argument("--cnn-calls", type=int, default=300, help="timed CNN steps per round")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 20 steps, 5 warm-up")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.rounds, arguments.calls, arguments.cnn_calls, arguments.warmup = 2, 20, 10, 5
+    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} float32, "
+          f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
+          f"eps {models.ADAM['epsilon']}")
+    compare("MLP", models.mlp_onnx(models.mlp_weights()), models.mlp_jax, models.mlp_weights(),
+            _batches(rng, (784,)), arguments.rounds, arguments.calls, arguments.warmup)
+    compare("CNN", models.cnn_onnx(models.cnn_weights()), models.cnn_jax, models.cnn_weights(),
+            _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
+            arguments.warmup)
+    print(f"total {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
