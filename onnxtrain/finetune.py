@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from onnxtrain.builder import Trainable, trainable_names
+from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, ExportError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Batches, Callback, fit
@@ -58,6 +59,7 @@ class FineTuner:
     def __init__(self, model: ModelSource, loss: str | LossFunction, optimizer: optax.GradientTransformation,
                  output: str | None = None, trainable: Trainable = None, label: str = "labels",
                  seed: int = 0):
+        enable_compilation_cache()
         self.model = load_model(model)
         self.state_names = tuple(trainable_names(self.model, trainable))
         if not self.state_names:
@@ -140,7 +142,8 @@ class FineTuner:
     def fit(self, batches: Batches, epochs: int = 1, progress: bool = True,
             callbacks: Sequence[Callback] = (), eval_data: Batches | None = None) -> dict[str, list[float]]:
         """Train over `batches` (see onnxtrain.fitting for the history's layout)."""
-        return fit(self.step, batches, epochs, progress, callbacks, self.evaluate, eval_data)
+        return fit(lambda chunk: [self.step(feeds) for feeds in chunk], batches, epochs, progress,
+                   callbacks, self.evaluate, eval_data)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:

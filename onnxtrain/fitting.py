@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import InputError
@@ -25,8 +26,59 @@ def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
     return {name: float(np.asarray(value)) for name, value in outputs.items() if np.size(value) == 1}
 
 
+class Stacked(dict):
+    """Outputs of several steps stacked along a first axis (from one compiled call)."""
+
+
+def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """Scalar outputs of each step, from one step's outputs or Stacked ones per part (one
+    transfer per stacked array, however many steps it holds)."""
+    steps = []
+    for part in parts:
+        if not isinstance(part, Stacked):
+            steps.append(_scalars(part))
+            continue
+        host = {name: np.asarray(value) for name, value in part.items()}
+        count = len(next(iter(host.values()))) if host else 0
+        steps += [{name: float(value[i]) for name, value in host.items() if value[i].size == 1}
+                  for i in range(count)]
+    return steps
+
+
 def _epoch_batches(batches: Batches) -> Iterable[Feeds]:
     return batches() if callable(batches) else batches
+
+
+def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
+    chunk: list[Feeds] = []
+    for feeds in batches:
+        chunk.append(feeds)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _signature(feeds: Feeds) -> tuple:
+    return tuple((name, np.shape(value), str(getattr(value, "dtype", ""))) for name, value in feeds.items())
+
+
+def same_signature_runs(feeds: Sequence[Feeds]) -> list[list[Feeds]]:
+    """Consecutive feeds split into runs of one signature (names, shapes, dtypes)."""
+    runs: list[list[Feeds]] = []
+    for item in feeds:
+        if runs and _signature(runs[-1][0]) == _signature(item):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+def stack(run: Sequence[Feeds]) -> dict[str, Any]:
+    """Feeds of one signature stacked along a new first axis (on the host when they are there)."""
+    on_host = all(isinstance(v, np.ndarray) for feeds in run for v in feeds.values())
+    return {name: (np.stack if on_host else jnp.stack)([feeds[name] for feeds in run]) for name in run[0]}
 
 
 def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches) -> dict[str, float]:
@@ -37,11 +89,16 @@ def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches)
     return {name: float(np.mean(values)) for name, values in totals.items()}
 
 
-def fit(step: Callable[[Feeds], Mapping[str, Any]], batches: Batches, epochs: int = 1,
-        progress: bool = True, callbacks: Sequence[Callback] = (),
+def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
+        batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
         evaluate: Callable[[Feeds], Mapping[str, Any]] | None = None,
-        eval_data: Batches | None = None) -> dict[str, list[float]]:
-    """Run `step` over `batches` for `epochs` epochs; the history (see module docstring)."""
+        eval_data: Batches | None = None, steps_per_call: int = 1) -> dict[str, list[float]]:
+    """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
+
+    run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
+    (see per_step_scalars). Values come back to the host one chunk late, so the device is never
+    left waiting for a progress-bar update.
+    """
     from tqdm.auto import tqdm
 
     if epochs > 1 and not callable(batches) and iter(batches) is batches:
@@ -49,18 +106,34 @@ def fit(step: Callable[[Feeds], Mapping[str, Any]], batches: Batches, epochs: in
                          "dataset, or a function returning a new iterator each epoch")
     if eval_data is not None and evaluate is None:
         raise InputError("eval_data needs an evaluation function")
+    if steps_per_call < 1:
+        raise InputError(f"steps_per_call must be at least 1, got {steps_per_call}")
     history: dict[str, list[float]] = {}
     for epoch in range(epochs):
-        epoch_values: dict[str, list[float]] = {}
-        bar = tqdm(_epoch_batches(batches), desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
+        epoch_batches = _epoch_batches(batches)
+        total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
+        bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
                    leave=epoch == epochs - 1)
-        for feeds in bar:
-            values = _scalars(step(feeds))
-            for name, value in values.items():
-                history.setdefault(name, []).append(value)
-                epoch_values.setdefault(name, []).append(value)
+        epoch_values: dict[str, list[float]] = {}
+
+        def record(outputs: Any) -> None:
+            for step in per_step_scalars(outputs):
+                for name, value in step.items():
+                    history.setdefault(name, []).append(value)
+                    epoch_values.setdefault(name, []).append(value)
             bar.set_postfix({name: f"{np.mean(v[-20:]):.4g}" for name, v in epoch_values.items()},
                             refresh=False)
+
+        pending = None
+        for chunk in _chunks(epoch_batches, steps_per_call):
+            outputs = run_steps(chunk)
+            if pending is not None:
+                record(pending)
+            pending = outputs
+            bar.update(len(chunk))
+        if pending is not None:
+            record(pending)
+        bar.close()
         logs = {f"epoch_{name}": float(np.mean(values)) for name, values in epoch_values.items()}
         if eval_data is not None:
             logs.update({f"val_{name}": value for name, value in _mean_over(evaluate, eval_data).items()})

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.model import ModelSource, load_model
 from onnxtrain.translate.model import TranslatedModel
 
@@ -18,6 +19,7 @@ def translate_model(model: ModelSource, params: Iterable[str] | None = None) -> 
     `params` are the model's float initializers (or those named), as JAX
     arrays. fn compiles once per input signature; random ops draw from `key`.
     """
+    enable_compilation_cache()
     translated = TranslatedModel(load_model(model), params)
     return translated, dict(translated.params)
 

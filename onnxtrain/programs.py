@@ -107,6 +107,7 @@ class StepProgram(_Program):
         self.random = draws_random(self.translated.plan)
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._dry_run = jax.jit(self._step)
+        self._scanned = jax.jit(self._steps, donate_argnums=0)
 
     def _assign(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{self.where}.update_binding"
@@ -119,6 +120,31 @@ class StepProgram(_Program):
         outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
                                         feeds, subkey)
         return self._assign(state, outputs), key, {name: outputs[name] for name in self.returned}
+
+    def _steps(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+               stacked: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
+        """One step per leading-axis slice of `stacked`, in order, as one lax.scan."""
+        def body(carry, feeds):
+            state, key, outputs = self._step(*carry, constants, feeds)
+            return (state, key), outputs
+
+        (state, key), outputs = jax.lax.scan(body, (state, key), stacked)
+        return state, key, outputs
+
+    def run_many(self, store: StateStore, stacked: dict[str, Any]) -> dict[str, Any]:
+        """len(stacked) steps in one compiled call; the outputs stacked along a new first axis.
+        Falls back to step by step for graphs that cannot be traced."""
+        with jax.enable_x64(True):
+            try:
+                state, key, outputs = self._scanned(store.values, store.key, self.constants, stacked)
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+            except NeedsHostValues:
+                count = len(next(iter(stacked.values())))
+                steps = [self.run(store, {n: v[i] for n, v in stacked.items()}) for i in range(count)]
+                return {name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned}
+        store.commit(state, key)
+        return outputs
 
     def run(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """One step: new state committed to `store`; the unbound outputs returned."""
@@ -152,7 +178,7 @@ class StepProgram(_Program):
         return state, key, {name: outputs[name] for name in self.returned}
 
     def compilations(self) -> int:
-        return self._jitted._cache_size() + self._dry_run._cache_size()
+        return sum(f._cache_size() for f in (self._jitted, self._dry_run, self._scanned))
 
 
 class InferenceProgram(_Program):

@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
-from onnxtrain.fitting import Batches, Callback, fit
+from onnxtrain.fitting import Batches, Callback, Stacked, fit, same_signature_runs, stack
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
@@ -90,6 +91,7 @@ class Trainer:
 
     def __init__(self, model: ModelSource, seed: int | None = None):
         """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0."""
+        enable_compilation_cache()
         self.model = load_model(model)
         if not self.model.training_info:
             raise BindingError("the model has no training_info, so there is nothing to train; build "
@@ -162,16 +164,27 @@ class Trainer:
         return self._inference.run(self._store.values, checked, key)
 
     def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
-            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None) -> dict[str, list[float]]:
+            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None,
+            steps_per_call: int = 1) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
 
         batches: a re-iterable collection of feed dicts, or a function returning a fresh
         iterable each epoch. eval_data: batches whose algorithm outputs (e.g. the loss) are
         computed from the current state, without updating it, after every epoch.
         callbacks: callback(epoch, logs) after every epoch; returning True stops training.
+        steps_per_call: run this many consecutive same-shaped batches per compiled call
+        (a lax.scan on the device), saving the per-step dispatch.
         """
-        return fit(lambda feeds: self.step(feeds, algorithm), batches, epochs, progress, callbacks,
-                   lambda feeds: self.evaluate(feeds, algorithm), eval_data)
+        return fit(lambda chunk: self.run_steps(chunk, algorithm), batches, epochs, progress, callbacks,
+                   lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
+
+    def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
+        """One step per batch; each run of same-shaped batches is one compiled call whose
+        outputs come back Stacked. Every feed is checked before any step runs."""
+        program = self._step_program(algorithm)
+        checked = [program.check_feeds(feeds) for feeds in batches]
+        return [Stacked(program.run_many(self._store, stack(run))) if len(run) > 1
+                else program.run(self._store, run[0]) for run in same_signature_runs(checked)]
 
     def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """What step() would return for these feeds, without changing any state."""

@@ -10,14 +10,17 @@ from onnxtrain.fitting import fit
 
 
 class Counter:
-    """A stand-in step whose 'loss' is the number of calls so far: exact expected histories."""
+    """A stand-in for run_steps whose 'loss' is the number of calls so far: exact expected histories."""
 
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, feeds):
-        self.calls += 1
-        return {"loss": np.float32(self.calls), "vector": np.zeros(3)}
+    def __call__(self, chunk):
+        outputs = []
+        for _ in chunk:
+            self.calls += 1
+            outputs.append({"loss": np.float32(self.calls), "vector": np.zeros(3)})
+        return outputs
 
 
 def test_history_has_steps_epoch_means_and_eval_means():
@@ -44,3 +47,38 @@ def test_one_shot_iterators_serve_one_epoch_and_callables_many():
         fit(Counter(), iter([{}] * 3), epochs=2, progress=False)
     history = fit(Counter(), lambda: iter([{}] * 3), epochs=2, progress=False)
     assert len(history["loss"]) == 6
+
+
+def _mlp_training_model():
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnxtrain
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W1", "B1"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+         helper.make_node("Gemm", ["t", "W2", "B2"], ["logits"])], "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
+         for name, shape in (("W1", (5, 8)), ("B1", (8,)), ("W2", (8, 3)), ("B2", (3,)))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.Adam(lr=0.01))
+
+
+def test_steps_per_call_runs_the_same_steps_in_fewer_compiled_calls():
+    import onnxtrain
+
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.normal(size=(16, 5)).astype(np.float32),
+                "labels": rng.integers(0, 3, 16).astype(np.int64)} for _ in range(8)]
+    batches.append({"x": batches[0]["x"][:5], "labels": batches[0]["labels"][:5]})   # a partial batch
+    model = _mlp_training_model()
+    one, scanned = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    history_one = one.fit(batches, epochs=2, progress=False)
+    history_scanned = scanned.fit(batches, epochs=2, progress=False, steps_per_call=4)
+    np.testing.assert_allclose(history_scanned["loss"], history_one["loss"], rtol=1e-5)
+    assert len(history_scanned["loss"]) == 18
+    for name in one.state_names:
+        np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
+    assert scanned._steps[0]._scanned._cache_size() == 1   # every run of 4 shares one program

@@ -1,0 +1,44 @@
+"""The persistent compilation cache: on by default in a fresh process, movable, switchable off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import numpy as np, jax, onnxtrain
+from onnx import TensorProto, helper, numpy_helper
+rng = np.random.default_rng(0)
+graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 256])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])],
+    [numpy_helper.from_array(rng.normal(size=(256, 64)).astype(np.float32), "W")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+training = onnxtrain.make_training_model(model, loss="mse")
+trainer = onnxtrain.Trainer(training)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # cache even this small step
+trainer.step({"x": np.ones((4, 256), np.float32), "labels": np.zeros((4, 64), np.float32)})
+print(jax.config.jax_compilation_cache_dir)
+"""
+
+
+def _run(environment: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "ONNXTRAIN_COMPILATION_CACHE"} | environment
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_default_folder_is_the_user_cache_and_gets_entries(tmp_path):
+    used = _run({"XDG_CACHE_HOME": str(tmp_path)})
+    assert Path(used) == tmp_path / "onnxtrain" / "xla"
+    assert any(Path(used).iterdir())
+
+
+def test_folder_can_be_moved_or_switched_off(tmp_path):
+    assert Path(_run({"ONNXTRAIN_COMPILATION_CACHE": str(tmp_path / "c")})) == tmp_path / "c"
+    assert any((tmp_path / "c").iterdir())
+    assert _run({"ONNXTRAIN_COMPILATION_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "x")}) == "None"
+    assert not (tmp_path / "x").exists()
