@@ -25,10 +25,10 @@ from onnxtrain.errors import BindingError
 from onnxtrain.losses import BUILT_IN, inline_loss_graph, label_input, scalar
 from onnxtrain.model import ModelSource, load_model
 from onnxtrain.optim import Adam, Optimizer
-from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, TrainingInfoProto
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TrainingInfoProto
 from onnxtrain.proto.make import attribute, bindings, node, opset, tensor_value_info
-from onnxtrain.training import initializer_names, validate
-from onnxtrain.translate.graph import graph_initializers
+from onnxtrain.training import validate
+from onnxtrain.translate.graph import graph_initializers, initializer_names
 from onnxtrain.translate.model import static_input_names
 from onnxtrain.translate.registry import TRAINING_DOMAIN, normalize_domain
 from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor, tensor_to_numpy
@@ -156,6 +156,13 @@ def _train_batchnorm(copy: NodeProto, original: NodeProto, initial: set[str], fr
             statistics[statistic] = updated
 
 
+def _zeros(name: str, like: np.ndarray) -> SparseTensorProto:
+    """An all-zero initializer as a sparse tensor with no entries: optimizer slots start at zero,
+    and a dense copy would add twice the weights' size to the file."""
+    return SparseTensorProto(values=numpy_to_tensor(np.zeros(0, like.dtype), name),
+                             indices=numpy_to_tensor(np.zeros(0, np.int64)), dims=like.shape)
+
+
 def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.ndarray],
                     fresh: _Names) -> tuple[GraphProto, dict[str, str]]:
     """Nodes producing every initial value: zeros and counters as constants, redrawn weights
@@ -277,7 +284,8 @@ def make_training_model(
 
     slot_values = {name: np.zeros_like(values[w]) for names in slots.values() for name, w in zip(names, weights)}
     counters = {lr: np.array(optimizer.lr, np.float32), step: np.array(optimizer.first_step, np.int64)}
-    for name, value in {**slot_values, **counters, one: np.array(1, np.int64)}.items():
+    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in slot_values.items())
+    for name, value in {**counters, one: np.array(1, np.int64)}.items():
         algorithm.initializer.append(numpy_to_tensor(value, name))
 
     loss_type = outputs[output].type.tensor_type.elem_type or TensorProto.FLOAT

@@ -30,6 +30,7 @@ from onnxtrain.proto import ModelProto, ValueInfoProto
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
+from onnxtrain.translate.graph import iter_initializers
 
 LossFunction = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -78,7 +79,7 @@ class FineTuner:
         self.label = label
         self._optimizer = optimizer
         self._inference = InferenceProgram(self.model, self.state_names)
-        weights = {name: self._inference.translated.params[name] for name in self.state_names}
+        weights = dict(iter_initializers(self.model.graph, lambda name: name in self.state_names))
         with jax.enable_x64(True):
             slots, self._slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
         self._slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))

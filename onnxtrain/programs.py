@@ -23,7 +23,8 @@ from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.state.store import StateStore
-from onnxtrain.training import combined_graph, initializer_names, model_of
+from onnxtrain.training import combined_graph, light_graph, model_of
+from onnxtrain.translate.graph import initializer_names
 from onnxtrain.translate.graph import draws_random
 from onnxtrain.translate.model import TranslatedModel, static_input_names
 from onnxtrain.translate.registry import normalize_domain
@@ -33,7 +34,8 @@ logger = logging.getLogger("onnxtrain")
 
 
 def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str) -> TranslatedModel:
-    """The graph translated with the state variables it reads as parameters."""
+    """The graph translated with the state variables it reads as parameters (`graph` may hold
+    them as placeholders without data: they are never decoded here)."""
     opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
     present = set(initializer_names(graph))
     visible = [name for name in variables if name in present]
@@ -42,7 +44,7 @@ def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], 
         raise BindingError(f"{where}: state variables {shapes} are used where an operator needs a "
                            "value known before running (a shape, axes, sizes); such inputs cannot "
                            "change during training, so they must not be bound")
-    return TranslatedModel(model_of(model, graph), extra_params=visible)
+    return TranslatedModel(model_of(model, graph), supplied=visible)
 
 
 def _checked_assignment(key: str, value: Any, current: jax.Array, where: str) -> jax.Array:
@@ -60,8 +62,8 @@ class _Program:
     def __init__(self, model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str):
         self.where = where
         self.translated = _translated(model, graph, variables, where)
-        self.variables = [name for name in variables if name in self.translated.params]
-        self.constants = {n: v for n, v in self.translated.params.items() if n not in self.variables}
+        self.variables = sorted(self.translated.supplied)
+        self.constants = self.translated.params
         declared = set(self.translated.input_names)
         self.declared_inputs = [value for value in graph.input if value.name in declared]
         self.check_feeds = FeedChecker(
@@ -99,7 +101,8 @@ class StepProgram(_Program):
 
     def __init__(self, model: ModelProto, index: int, variables: Sequence[str]):
         info = model.training_info[index]
-        super().__init__(model, combined_graph(model, index), variables, f"training_info[{index}]")
+        super().__init__(model, combined_graph(model, index, set(variables)), variables,
+                         f"training_info[{index}]")
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound = {value for _, value in self.bindings}
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
@@ -185,7 +188,7 @@ class InferenceProgram(_Program):
     """The main graph with the current state; reads the store, never writes it."""
 
     def __init__(self, model: ModelProto, variables: Sequence[str]):
-        super().__init__(model, model.graph, variables, "main graph")
+        super().__init__(model, light_graph(model.graph, set(variables)), variables, "main graph")
 
     def run(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         return self.translated(self.params(values), feeds, key)

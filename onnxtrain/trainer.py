@@ -9,6 +9,7 @@ model, so a run can stop, be served by ONNX Runtime, or resume exactly.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -25,8 +26,8 @@ from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProg
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
-from onnxtrain.training import initial_values, validate
-from onnxtrain.translate.graph import graph_initializers
+from onnxtrain.training import initial_values, light_graph, validate
+from onnxtrain.translate.graph import iter_initializers
 from onnxtrain.translate.model import static_input_names
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.tensors import numpy_to_tensor
@@ -62,13 +63,29 @@ def _hyperparameters(model: ModelProto, state: set[str]) -> dict[str, tuple[int,
     repeated: set[str] = set()
     for index, info in enumerate(model.training_info):
         static = static_input_names(info.algorithm, opsets)
-        for name, value in graph_initializers(info.algorithm).items():
-            if name in state or name in static or value.ndim or value.dtype.kind not in "fiub":
+        scalars = {t.name for t in info.algorithm.initializer if not t.dims}
+        for name, value in iter_initializers(info.algorithm, scalars.__contains__):
+            if name in state or name in static or value.dtype.kind not in "fiub":
                 continue
             if name in found:
                 repeated.add(name)
             found[name] = (index, value)
     return {name: item for name, item in found.items() if name not in repeated}
+
+
+def without_payloads(model: ModelProto, home: Mapping[str, int | None]) -> ModelProto:
+    """A copy of `model` whose initializers held in a store (name -> None for the main graph,
+    or the TrainingInfoProto index) keep no data: the store has the values, and export writes
+    them back. A fresh message, because protobuf frees a message's memory only as a whole."""
+    for place in set(home.values()):
+        graph = model.graph if place is None else model.training_info[place].algorithm
+        kept = light_graph(graph, {name for name, where in home.items() if where == place})
+        del graph.initializer[:], graph.sparse_initializer[:]
+        graph.initializer.extend(kept.initializer)
+        graph.sparse_initializer.extend(kept.sparse_initializer)
+    copy = ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 def replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None:
@@ -92,25 +109,26 @@ class Trainer:
     def __init__(self, model: ModelSource, seed: int | None = None):
         """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0."""
         enable_compilation_cache()
-        self.model = load_model(model)
-        if not self.model.training_info:
+        self._model = load_model(model)
+        if not self._model.training_info:
             raise BindingError("the model has no training_info, so there is nothing to train; build "
                                "one with onnxtrain.make_training_model(model, loss=..., optimizer=...)")
-        layout = validate(self.model)
+        layout = validate(self._model)
         self._home = dict(layout.home)
         self.state_names: tuple[str, ...] = layout.names
-        hyper = _hyperparameters(self.model, set(layout.names))
+        hyper = _hyperparameters(self._model, set(layout.names))
         self.hyperparameter_names: tuple[str, ...] = tuple(hyper)
         self._home.update({name: index for name, (index, _) in hyper.items()})
-        stored = _stored_key(self.model) if seed is None else None
+        stored = _stored_key(self._model) if seed is None else None
         key = stored if stored is not None else jax.random.key(0 if seed is None else seed)
-        values = {**initial_values(self.model, layout), **{n: v for n, (_, v) in hyper.items()}}
+        values = itertools.chain(initial_values(self._model, layout), ((n, v) for n, (_, v) in hyper.items()))
         self._store = StateStore(values, key)
+        self._model = without_payloads(self._model, self._home)
         variables = [*self.state_names, *self.hyperparameter_names]
-        self._initializations = [InitializationProgram(self.model, i) if info.HasField("initialization")
-                                 else None for i, info in enumerate(self.model.training_info)]
-        self._steps = [StepProgram(self.model, i, variables) for i in range(len(self.model.training_info))]
-        self._inference = InferenceProgram(self.model, variables)
+        self._initializations = [InitializationProgram(self._model, i) if info.HasField("initialization")
+                                 else None for i, info in enumerate(self._model.training_info)]
+        self._steps = [StepProgram(self._model, i, variables) for i in range(len(self._model.training_info))]
+        self._inference = InferenceProgram(self._model, variables)
 
     @property
     def state(self) -> StateView:
@@ -200,7 +218,7 @@ class Trainer:
         training=True keeps it and records the PRNG key, so Trainer(path) resumes exactly.
         """
         model = ModelProto()
-        model.CopyFrom(self.model)
+        model.CopyFrom(self._model)
         for name, value in host_copy(self._store.values).items():
             place = self._home[name]
             if place is None:
@@ -220,7 +238,7 @@ class Trainer:
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save every state variable, hyperparameter and the PRNG key (no pickle)."""
         checkpoint.save_checkpoint(path, host_copy(self._store.values), self._store.key,
-                                   {"model": self.model.graph.name})
+                                   {"model": self._model.graph.name})
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint saved by a Trainer of the same model."""
@@ -228,6 +246,6 @@ class Trainer:
         self._store.restore(values, key, f"checkpoint {str(path)!r}")
 
     def __repr__(self) -> str:
-        return (f"Trainer({self.model.graph.name or 'model'!r}: {len(self.state_names)} state "
+        return (f"Trainer({self._model.graph.name or 'model'!r}: {len(self.state_names)} state "
                 f"variables, {len(self._steps)} algorithm(s))")
 

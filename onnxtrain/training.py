@@ -10,28 +10,55 @@ value_info, sparse initializers), which must itself be a valid graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from onnxtrain.errors import BindingError
-from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto, TrainingInfoProto
-from onnxtrain.translate.graph import graph_initializers
+from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto, TensorProto, TrainingInfoProto
+from onnxtrain.translate.graph import initializer_names, iter_initializers
 
 
-def initializer_names(graph: GraphProto) -> list[str]:
-    return [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
+_GRAPH_FIELDS = ("input", "initializer", "output", "node", "value_info", "sparse_initializer")
 
 
-def combined_graph(model: ModelProto, index: int) -> GraphProto:
+def _placeholder(tensor: TensorProto) -> TensorProto:
+    """An initializer's name, type and shape without its data."""
+    return TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+
+
+def _concatenated(name: str, graphs: Iterable[GraphProto], placeholders: Container[str]) -> GraphProto:
+    """The graphs' fields concatenated in order; initializers named in `placeholders` (state a
+    trainer passes in itself) keep no data, so a large model's weights are not copied."""
+    result = GraphProto(name=name)
+    for graph in graphs:
+        for field in _GRAPH_FIELDS:
+            if field == "initializer":
+                result.initializer.extend(_placeholder(t) if t.name in placeholders else t
+                                          for t in graph.initializer)
+            elif field == "sparse_initializer":
+                for sparse in graph.sparse_initializer:
+                    if sparse.values.name in placeholders:
+                        result.initializer.append(TensorProto(name=sparse.values.name, dims=sparse.dims,
+                                                              data_type=sparse.values.data_type))
+                    else:
+                        result.sparse_initializer.append(sparse)
+            else:
+                getattr(result, field).extend(getattr(graph, field))
+    return result
+
+
+def combined_graph(model: ModelProto, index: int, placeholders: Container[str] = frozenset()) -> GraphProto:
     """Main graph ⊕ training_info[index].algorithm, concatenated field by field in that order."""
     main, algorithm = model.graph, model.training_info[index].algorithm
-    combined = GraphProto(name=f"{main.name}+{algorithm.name}" if algorithm.name else main.name)
-    for field in ("input", "initializer", "output", "node", "value_info", "sparse_initializer"):
-        getattr(combined, field).extend(getattr(main, field))
-        getattr(combined, field).extend(getattr(algorithm, field))
-    return combined
+    return _concatenated(f"{main.name}+{algorithm.name}" if algorithm.name else main.name,
+                         (main, algorithm), placeholders)
+
+
+def light_graph(graph: GraphProto, placeholders: Container[str]) -> GraphProto:
+    """A copy of `graph` whose initializers in `placeholders` keep no data."""
+    return _concatenated(graph.name, (graph,), placeholders)
 
 
 def model_of(model: ModelProto, graph: GraphProto) -> ModelProto:
@@ -182,13 +209,9 @@ def validate(model: ModelProto) -> StateLayout:
     return StateLayout(tuple(names), home)
 
 
-def initial_values(model: ModelProto, layout: StateLayout) -> dict[str, np.ndarray]:
-    """Each state variable's starting value: its initializer."""
-    graphs = {None: graph_initializers(model.graph)}
-    values = {}
-    for name in layout.names:
-        place = layout.home[name]
-        if place not in graphs:
-            graphs[place] = graph_initializers(model.training_info[place].algorithm)
-        values[name] = graphs[place][name]
-    return values
+def initial_values(model: ModelProto, layout: StateLayout) -> Iterator[tuple[str, np.ndarray]]:
+    """Each state variable's starting value (its initializer), decoded one at a time."""
+    places = [None, *sorted({p for p in layout.home.values() if p is not None})]
+    for place in places:
+        graph = model.graph if place is None else model.training_info[place].algorithm
+        yield from iter_initializers(graph, lambda name: layout.home.get(name, -1) == place)

@@ -11,7 +11,7 @@ buffers in place. Two consequences shape this class:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -53,8 +53,11 @@ class StateView(Mapping):
 class StateStore:
     """name -> device array, plus a PRNG key; replaced only as a whole."""
 
-    def __init__(self, values: Mapping[str, Any], key: jax.Array):
-        self.values: dict[str, jax.Array] = {name: _device_array(v) for name, v in values.items()}
+    def __init__(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]], key: jax.Array):
+        """values: a mapping, or (name, value) pairs moved to the device one by one (so a
+        generator decoding a large model's weights never holds them all on the host)."""
+        pairs = values.items() if isinstance(values, Mapping) else values
+        self.values: dict[str, jax.Array] = {name: _device_array(v) for name, v in pairs}
         self.key = key
 
     def view(self, names: tuple[str, ...]) -> StateView:

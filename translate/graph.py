@@ -14,7 +14,7 @@ how shape arithmetic folds away at trace time.
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,26 @@ class GraphPlan:
     constants: dict[str, Any]
 
 
+def initializer_names(graph: GraphProto) -> list[str]:
+    """Names of a graph's dense and sparse initializers."""
+    return [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
+
+
+def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, numpy array) for the initializers `wanted` accepts, decoded one at a time, so a
+    caller that keeps only some of them (or moves each to the device) never holds them all."""
+    for tensor in graph.initializer:
+        if wanted(tensor.name):
+            yield tensor.name, tensor_to_numpy(tensor, f"initializer {tensor.name!r}")
+    for sparse in graph.sparse_initializer:
+        if wanted(sparse.values.name):
+            yield sparse.values.name, sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
+
+
 def graph_initializers(graph: GraphProto) -> dict[str, np.ndarray]:
     """Dense and sparse initializers of a graph as numpy arrays, by name."""
-    values = {t.name: tensor_to_numpy(t, f"initializer {t.name!r}") for t in graph.initializer}
-    for sparse in graph.sparse_initializer:
-        values[sparse.values.name] = sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
-    return values
+    return dict(iter_initializers(graph))
 
 
 class Translator:

@@ -22,7 +22,7 @@ from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
-from onnxtrain.translate.graph import Translator, evaluate_plan, graph_initializers
+from onnxtrain.translate.graph import Translator, evaluate_plan, initializer_names, iter_initializers
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.registry import normalize_domain, resolve
 from onnxtrain.translate.values import NeedsHostValues, to_host
@@ -73,29 +73,32 @@ class TranslatedModel:
     """fn(params, inputs, key=None) -> {output name: value}; jit- and grad-able."""
 
     def __init__(self, model: ModelProto, params: Iterable[str] | None = None, jit: bool = True,
-                 extra_params: Iterable[str] = ()):
+                 supplied: Iterable[str] = ()):
         """params: the initializers passed in as arguments (default: the float ones not used
-        as shapes or axes), plus extra_params (e.g. integer counters a trainer updates).
-        jit=False runs every call op by op, each op's result rounded to its dtype:
-        slower, but free of XLA's cross-op fusion (for debugging numerics)."""
+        as shapes or axes), decoded into self.params. supplied: initializers the caller
+        passes with every call (a trainer's state), never decoded here, so a large model's
+        weights are not held twice. jit=False runs every call op by op, each op's result
+        rounded to its dtype: slower, but free of XLA's cross-op fusion (for debugging numerics)."""
         self.name = model.graph.name or "model"
         self.jit = jit
         opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         translator = Translator(opsets, model.functions)
-        initializers = graph_initializers(model.graph)
+        names = initializer_names(model.graph)
+        self.supplied = set(supplied)
+        decoded = dict(iter_initializers(model.graph, lambda name: name not in self.supplied))
         static = static_input_names(model.graph, opsets)
         if params is None:
-            params = [n for n, v in initializers.items() if _is_float(v) and n not in static]
-        params = list(dict.fromkeys([*params, *extra_params]))
-        unknown = sorted(set(params) - set(initializers))
+            params = [n for n, v in decoded.items() if _is_float(v) and n not in static]
+        unknown = sorted((set(params) | self.supplied) - set(names))
         if unknown:
             raise InputError(f"params {unknown} are not initializers of the model")
         with jax.enable_x64(True):
-            self.params = {name: jax.numpy.asarray(initializers[name]) for name in params}
-        constants = {n: v for n, v in initializers.items() if n not in self.params}
+            self.params = {name: jax.numpy.asarray(decoded[name]) for name in params
+                           if name not in self.supplied}
+        constants = {n: v for n, v in decoded.items() if n not in self.params}
         self.plan = translator.plan(model.graph, constants)
         translator.check_complete(f"model {self.name!r}")
-        self.input_names = [name for name in self.plan.inputs if name not in initializers]
+        self.input_names = [name for name in self.plan.inputs if name not in names]
         self.output_names = list(self.plan.outputs)
         self._jitted = jax.jit(self._traced)
         self._eager_signatures: set[Any] = set()

@@ -1,0 +1,86 @@
+"""Peak memory of a training step on a 100M-parameter model with Adam.
+
+Target (issue "Performance"): peak RSS below 1.3x the bytes of the parameters
+plus two Adam slots plus activations. The model (10 MatMul layers of
+3162x3162 float32, ReLU, mse loss, Adam) is built by make_training_model in
+one process and saved with external data; a fresh process then loads it into a
+Trainer and takes 3 steps (batch 64), reporting its peak RSS (VmHWM) against
+the process's own baseline after importing onnxtrain. Takes ~1 minute and
+~3 GB of disk space in a temporary folder.
+
+Usage: python bench/memory.py [--layers 10] [--width 3162]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BUILD = """
+import sys, numpy as np, onnxtrain
+from onnx import TensorProto, helper, numpy_helper
+layers, width, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rng = np.random.default_rng(0)
+nodes, weights, previous = [], [], "x"
+for i in range(layers):
+    weights.append(numpy_helper.from_array(
+        rng.standard_normal((width, width), dtype=np.float32) * np.float32(width ** -0.5), f"W{i}"))
+    nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [f"m{i}"]))
+    previous = f"h{i}"
+    nodes.append(helper.make_node("Relu" if i < layers - 1 else "Identity", [f"m{i}"], [previous]))
+graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                          [helper.make_tensor_value_info(previous, TensorProto.FLOAT, ["batch", width])], weights)
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+training = onnxtrain.make_training_model(model.SerializeToString(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=1e-4))
+onnxtrain.save_model(training, path, external_data=True)
+"""
+
+MEASURE = """
+import json, sys, numpy as np, onnxtrain
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+baseline = hwm()
+trainer = onnxtrain.Trainer(sys.argv[1])
+after_load = hwm()
+width = int(sys.argv[2])
+x, y = np.ones((64, width), np.float32), np.zeros((64, width), np.float32)
+for _ in range(3):
+    float(trainer.step({"x": x, "labels": y})["loss"])
+print(json.dumps({"baseline": baseline, "after_load": after_load, "peak": hwm()}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--width", type=int, default=3162)
+    arguments = parser.parse_args()
+    environment = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "wide.onnx")
+        subprocess.run([sys.executable, "-c", BUILD, str(arguments.layers), str(arguments.width), path],
+                       check=True, env=environment)
+        result = subprocess.run([sys.executable, "-c", MEASURE, path, str(arguments.width)], check=True,
+                                capture_output=True, text=True, env=environment)
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    parameters = arguments.layers * arguments.width ** 2
+    state = 3 * 4 * parameters
+    activations = 2 * 4 * 64 * arguments.width * arguments.layers
+    mib = 2 ** 20
+    print(f"{parameters / 1e6:.1f}M parameters; parameters + 2 Adam slots {state / mib:.0f} MiB, "
+          f"activations ~{activations / mib:.0f} MiB")
+    print(f"baseline (python + jax + onnxtrain) {figures['baseline'] / mib:.0f} MiB; peak after load "
+          f"{figures['after_load'] / mib:.0f} MiB; peak after 3 steps {figures['peak'] / mib:.0f} MiB")
+    print(f"(peak - baseline) / (state + activations) = "
+          f"{(figures['peak'] - figures['baseline']) / (state + activations):.2f} (target < 1.3); "
+          f"peak / (state + activations) = {figures['peak'] / (state + activations):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
