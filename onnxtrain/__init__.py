@@ -8,6 +8,7 @@ from onnxtrain.errors import (
     ExportError,
     InputError,
     ModelLoadError,
+    NumericError,
     OnnxTrainError,
     UnsupportedOpError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "FineTuner",
     "InputError",
     "ModelLoadError",
+    "NumericError",
     "OnnxTrainError",
     "Trainer",
     "UnsupportedOpError",

@@ -29,6 +29,10 @@ class InputError(OnnxTrainError):
     """A feed is missing, unexpected, or of the wrong type or shape."""
 
 
+class NumericError(OnnxTrainError):
+    """A training step produced NaN or Inf (the state keeps its last good values)."""
+
+
 class ExportError(OnnxTrainError):
     """A model or checkpoint cannot be written."""
 

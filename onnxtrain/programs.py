@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
+from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.state.store import StateStore
@@ -96,18 +96,31 @@ class InitializationProgram(_Program):
             return {k: _checked_assignment(k, outputs[v], values[k], where) for k, v in self.bindings}
 
 
-class StepProgram(_Program):
-    """The main graph ⊕ training_info[i].algorithm as one donated, jitted step."""
+NAN_POLICIES = ("raise", "skip", "ignore")
 
-    def __init__(self, model: ModelProto, index: int, variables: Sequence[str]):
+
+class StepProgram(_Program):
+    """The main graph ⊕ training_info[i].algorithm as one donated, jitted step.
+
+    With nan_policy "raise" or "skip", the step also checks every bound float value and every
+    returned float output for NaN/Inf and, if it finds any, keeps the old state (a select
+    fused into the update, so nothing is copied): "raise" then raises NumericError, "skip"
+    logs and goes on.
+    """
+
+    def __init__(self, model: ModelProto, index: int, variables: Sequence[str], nan_policy: str = "raise"):
         info = model.training_info[index]
         super().__init__(model, combined_graph(model, index, set(variables)), variables,
                          f"training_info[{index}]")
+        if nan_policy not in NAN_POLICIES:
+            raise InputError(f"nan_policy={nan_policy!r} is not one of {NAN_POLICIES}")
+        self.nan_policy = nan_policy
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound = {value for _, value in self.bindings}
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
         # Only graphs with random ops advance the key: a split costs a loop in every step.
         self.random = draws_random(self.translated.plan)
+        self.watched: list[str] = []
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._dry_run = jax.jit(self._step)
         self._scanned = jax.jit(self._steps, donate_argnums=0)
@@ -117,49 +130,90 @@ class StepProgram(_Program):
         updates = {k: _checked_assignment(k, outputs[v], state[k], where) for k, v in self.bindings}
         return {**state, **updates}
 
+    def _faults(self, state: dict[str, Any], outputs: dict[str, Any]) -> jax.Array:
+        """One flag per watched value: True where it holds NaN or Inf."""
+        candidates = [*((k, state[k]) for k, _ in self.bindings), *outputs.items()]
+        watched = [(n, v) for n, v in candidates if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
+        self.watched = [name for name, _ in watched]
+        if not watched:
+            return jnp.zeros((0,), bool)
+        return jnp.stack([~jnp.all(jnp.isfinite(v)) for _, v in watched])
+
     def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
-              feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
+              feeds: dict[str, Any], accepting: Any = True) -> tuple:
+        """(new state, key, outputs, faults); a faulty step leaves the state as it was."""
         key, subkey = jax.random.split(key) if self.random else (key, None)
         outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
                                         feeds, subkey)
-        return self._assign(state, outputs), key, {name: outputs[name] for name in self.returned}
+        new_state = self._assign(state, outputs)
+        returned = {name: outputs[name] for name in self.returned}
+        if self.nan_policy == "ignore":
+            return new_state, key, returned, jnp.zeros((0,), bool)
+        faults = self._faults(new_state, returned)
+        accept = jnp.logical_and(accepting, ~jnp.any(faults))
+        bound = {k for k, _ in self.bindings}
+        kept = {k: jnp.where(accept, v, state[k]) if k in bound else v for k, v in new_state.items()}
+        return kept, key, returned, faults
 
     def _steps(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
-               stacked: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
-        """One step per leading-axis slice of `stacked`, in order, as one lax.scan."""
+               stacked: dict[str, Any]) -> tuple:
+        """One step per leading-axis slice of `stacked`, in order, as one lax.scan. Under
+        "raise", every step after a faulty one is a no-op, so the state is the last good one."""
         def body(carry, feeds):
-            state, key, outputs = self._step(*carry, constants, feeds)
-            return (state, key), outputs
+            state, key, accepting = carry
+            state, key, outputs, faults = self._step(state, key, constants, feeds, accepting)
+            if self.nan_policy == "raise":
+                accepting = jnp.logical_and(accepting, ~jnp.any(faults))
+            return (state, key, accepting), (outputs, faults)
 
-        (state, key), outputs = jax.lax.scan(body, (state, key), stacked)
-        return state, key, outputs
+        (state, key, _), (outputs, faults) = jax.lax.scan(body, (state, key, jnp.asarray(True)), stacked)
+        return state, key, outputs, faults
+
+    def _settle(self, store: StateStore, state: dict, key: jax.Array, faults: Any, step: str) -> None:
+        """Commit a step's result, then act on its faults as the policy says."""
+        faults = np.asarray(faults)
+        if not faults.any():
+            store.commit(state, key)
+            return
+        rows = faults.reshape(-1, len(self.watched))
+        first = int(np.argmax(rows.any(axis=1)))
+        names = [name for name, bad in zip(self.watched, rows[first]) if bad]
+        where = f"{self.where} {step}" + (f" (step {first} of this call)" if len(rows) > 1 else "")
+        if self.nan_policy == "skip":
+            logger.warning("%s produced NaN/Inf in %s; skipped, state unchanged", where, names)
+            store.commit(state, key)
+            return
+        store.commit(state, key if len(rows) > 1 else store.key)
+        raise NumericError(f"{where} produced NaN or Inf in {names}; the state keeps its last good "
+                           "values. Lower the learning rate, check the data, or pass "
+                           "nan_policy='skip' to skip such steps.")
 
     def run_many(self, store: StateStore, stacked: dict[str, Any]) -> dict[str, Any]:
         """len(stacked) steps in one compiled call; the outputs stacked along a new first axis.
         Falls back to step by step for graphs that cannot be traced."""
         with jax.enable_x64(True):
             try:
-                state, key, outputs = self._scanned(store.values, store.key, self.constants, stacked)
+                state, key, outputs, faults = self._scanned(store.values, store.key, self.constants, stacked)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
                 count = len(next(iter(stacked.values())))
                 steps = [self.run(store, {n: v[i] for n, v in stacked.items()}) for i in range(count)]
                 return {name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned}
-        store.commit(state, key)
+        self._settle(store, state, key, faults, "step")
         return outputs
 
     def run(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """One step: new state committed to `store`; the unbound outputs returned."""
         with jax.enable_x64(True):
             try:
-                state, key, outputs = self._jitted(store.values, store.key, self.constants, feeds)
+                state, key, outputs, faults = self._jitted(store.values, store.key, self.constants, feeds)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues as reason:
                 logger.warning("%s runs op by op (no jit): %s", self.where, reason)
-                state, key, outputs = self._eager_step(store, feeds)
-        store.commit(state, key)
+                state, key, outputs, faults = self._eager_step(store, feeds)
+        self._settle(store, state, key, faults, "step")
         return outputs
 
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -177,8 +231,12 @@ class StepProgram(_Program):
         params = {name: to_host(value) for name, value in self.params(store.values).items()}
         host_feeds = {name: to_host(value) for name, value in feeds.items()}
         outputs = self.translated.apply(params, host_feeds, subkey, eager=True)
-        state = {n: jnp.asarray(v) for n, v in self._assign(dict(store.values), outputs).items()}
-        return state, key, {name: outputs[name] for name in self.returned}
+        new_state = {n: jnp.asarray(v) for n, v in self._assign(dict(store.values), outputs).items()}
+        returned = {name: outputs[name] for name in self.returned}
+        if self.nan_policy == "ignore":
+            return new_state, key, returned, np.zeros(0, bool)
+        faults = np.asarray(self._faults(new_state, returned))
+        return (dict(store.values) if faults.any() else new_state), key, returned, faults
 
     def compilations(self) -> int:
         return sum(f._cache_size() for f in (self._jitted, self._dry_run, self._scanned))

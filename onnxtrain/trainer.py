@@ -106,8 +106,10 @@ def replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None
 class Trainer:
     """Run a model's TrainingInfoProtos: initialize(), step(), infer(), fit(), export()."""
 
-    def __init__(self, model: ModelSource, seed: int | None = None):
-        """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0."""
+    def __init__(self, model: ModelSource, seed: int | None = None, nan_policy: str = "raise"):
+        """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0.
+        nan_policy: what a step producing NaN/Inf in the state or its outputs does: "raise"
+        (NumericError, state kept), "skip" (log, state kept) or "ignore" (apply it)."""
         enable_compilation_cache()
         self._model = load_model(model)
         if not self._model.training_info:
@@ -127,7 +129,8 @@ class Trainer:
         variables = [*self.state_names, *self.hyperparameter_names]
         self._initializations = [InitializationProgram(self._model, i) if info.HasField("initialization")
                                  else None for i, info in enumerate(self._model.training_info)]
-        self._steps = [StepProgram(self._model, i, variables) for i in range(len(self._model.training_info))]
+        self._steps = [StepProgram(self._model, i, variables, nan_policy)
+                       for i in range(len(self._model.training_info))]
         self._inference = InferenceProgram(self._model, variables)
 
     @property

@@ -1,0 +1,91 @@
+"""nan_policy: a step producing NaN/Inf raises (or is skipped) and the state keeps its last good values.
+
+Oracle: the same model stepped only on the good batches, compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxtrain
+from onnxtrain import NumericError
+
+RNG = np.random.default_rng(0)
+
+
+def _model():
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(RNG.normal(size=(3, 2)).astype(np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.1))
+
+
+def _batch(bad: bool = False):
+    x = RNG.normal(size=(4, 3)).astype(np.float32)
+    if bad:
+        x[1, 2] = np.nan
+    return {"x": x, "labels": RNG.normal(size=(4, 2)).astype(np.float32)}
+
+
+def _state(trainer):
+    return {name: np.asarray(trainer.state[name]) for name in trainer.state_names}
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+MODEL = _model()
+GOOD, BAD = _batch(), _batch(bad=True)
+
+
+def test_raise_names_the_values_and_keeps_the_state():
+    trainer = onnxtrain.Trainer(MODEL)
+    trainer.step(GOOD)
+    before = _state(trainer)
+    with pytest.raises(NumericError, match=r"training_info\[0\] step produced NaN or Inf in \[.*'W'.*'loss'"):
+        trainer.step(BAD)
+    _assert_same(_state(trainer), before)
+    trainer.step(GOOD)
+    assert np.isfinite(np.asarray(trainer.state["W"])).all()
+
+
+def test_skip_logs_and_goes_on(caplog):
+    skipping, reference = onnxtrain.Trainer(MODEL, nan_policy="skip"), onnxtrain.Trainer(MODEL)
+    with caplog.at_level(logging.WARNING, logger="onnxtrain"):
+        for feeds in (GOOD, BAD, GOOD):
+            skipping.step(feeds)
+    for feeds in (GOOD, GOOD):
+        reference.step(feeds)
+    _assert_same(_state(skipping), _state(reference))
+    assert "skipped, state unchanged" in caplog.text
+
+
+def test_ignore_applies_the_faulty_step():
+    trainer = onnxtrain.Trainer(MODEL, nan_policy="ignore")
+    trainer.step(BAD)
+    assert np.isnan(np.asarray(trainer.state["W"])).any()
+
+
+def test_a_faulty_step_inside_a_scanned_chunk_stops_at_the_last_good_state():
+    scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
+    batches = [_batch(), _batch(), BAD, _batch()]
+    with pytest.raises(NumericError, match=r"step 2 of this call"):
+        scanned.fit(batches, progress=False, steps_per_call=4)
+    for feeds in batches[:2]:
+        reference.step(feeds)
+    _assert_same(_state(scanned), _state(reference))
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(onnxtrain.InputError, match="nan_policy"):
+        onnxtrain.Trainer(MODEL, nan_policy="sometimes")
