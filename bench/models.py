@@ -1,5 +1,6 @@
-"""The benchmark models of shared/docs/performance-anchors.md, as ONNX and as hand-written JAX
-(inference, and training with cross-entropy + Adam).
+"""The benchmark models, as ONNX and as hand-written JAX (inference, and training with
+cross-entropy + Adam): the MLP and CNN of shared/docs/performance-anchors.md, a small
+transformer encoder, and ResNet-18 (ONNX only: bench/run.py times its compilation).
 
 Both versions share the same weights so their outputs can be checked equal
 before anything is timed.
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
+import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 
@@ -98,6 +100,171 @@ def cnn_jax(params: dict, x: jax.Array) -> jax.Array:
     h = _max_pool_2x2(jnp.maximum(_conv(x, params["C1"], params["c1"]), 0))
     h = _max_pool_2x2(jnp.maximum(_conv(h, params["C2"], params["c2"]), 0))
     return h.reshape(h.shape[0], -1) @ params["W"] + params["B"]
+
+
+TRANSFORMER = {"seq": 32, "d": 64, "heads": 2, "ffn": 128}
+
+
+def transformer_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """One post-LN encoder block (d 64, 2 heads, FFN 128) and a Linear(64->10) head."""
+    rng = np.random.default_rng(seed)
+
+    def dense(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * np.sqrt(1 / rows)).astype(np.float32)
+
+    d, ffn = TRANSFORMER["d"], TRANSFORMER["ffn"]
+    return {**{f"W{p}": dense(d, d) for p in "qkvo"}, **{f"b{p}": np.zeros(d, np.float32) for p in "qkvo"},
+            "ln1_g": np.ones(d, np.float32), "ln1_b": np.zeros(d, np.float32),
+            "W1": dense(d, ffn), "b1": np.zeros(ffn, np.float32),
+            "W2": dense(ffn, d), "b2": np.zeros(d, np.float32),
+            "ln2_g": np.ones(d, np.float32), "ln2_b": np.zeros(d, np.float32),
+            "Wc": dense(d, 10), "bc": np.zeros(10, np.float32)}
+
+
+
+def _constant(name: str, value: np.ndarray) -> onnx.NodeProto:
+    """A Constant node: non-trainable values stay out of the initializers (= the weights)."""
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name))
+
+
+def transformer_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """x[batch, 32, 64] -> self-attention (2 heads) -> Add & LayerNorm -> FFN (ReLU) -> Add &
+    LayerNorm -> mean over the sequence -> Linear(64->10).
+
+    The LayerNormalizations also name their optional Mean and InvStdDev outputs: ONNX Runtime
+    training's gradient builder for LayerNormalization reads them."""
+    seq, d, heads = TRANSFORMER["seq"], TRANSFORMER["d"], TRANSFORMER["heads"]
+    split = [0, 0, heads, d // heads]
+    node = helper.make_node
+    nodes = [_constant("split", np.array(split, np.int64)), _constant("merge", np.array([0, 0, d], np.int64)),
+             _constant("scale", np.array(1 / np.sqrt(d // heads), np.float32))]
+    for p, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        nodes += [node("MatMul", ["x", f"W{p}"], [f"{p}0"]), node("Add", [f"{p}0", f"b{p}"], [f"{p}1"]),
+                  node("Reshape", [f"{p}1", "split"], [f"{p}2"]),
+                  node("Transpose", [f"{p}2"], [p], perm=perm)]
+    nodes += [
+        node("MatMul", ["q", "k"], ["s0"]), node("Mul", ["s0", "scale"], ["s"]),
+        node("Softmax", ["s"], ["attention"], axis=-1), node("MatMul", ["attention", "v"], ["c0"]),
+        node("Transpose", ["c0"], ["c1"], perm=[0, 2, 1, 3]), node("Reshape", ["c1", "merge"], ["c"]),
+        node("MatMul", ["c", "Wo"], ["o0"]), node("Add", ["o0", "bo"], ["o"]),
+        node("Add", ["x", "o"], ["r1"]),
+        node("LayerNormalization", ["r1", "ln1_g", "ln1_b"], ["h1", "mean1", "inv_std1"], axis=-1, epsilon=1e-5),
+        node("MatMul", ["h1", "W1"], ["f0"]), node("Add", ["f0", "b1"], ["f1"]), node("Relu", ["f1"], ["f2"]),
+        node("MatMul", ["f2", "W2"], ["f3"]), node("Add", ["f3", "b2"], ["f"]),
+        node("Add", ["h1", "f"], ["r2"]),
+        node("LayerNormalization", ["r2", "ln2_g", "ln2_b"], ["h2", "mean2", "inv_std2"], axis=-1, epsilon=1e-5),
+        _constant("seq_axis", np.array([1], np.int64)),
+        node("ReduceMean", ["h2", "seq_axis"], ["pooled"], keepdims=0),
+        node("MatMul", ["pooled", "Wc"], ["l0"]), node("Add", ["l0", "bc"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "transformer", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, d])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    variance = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(variance + 1e-5) * scale + bias
+
+
+def transformer_jax(params: dict, x: jax.Array) -> jax.Array:
+    heads = TRANSFORMER["heads"]
+    batch, seq, d = x.shape
+
+    def split(p: str) -> jax.Array:
+        return (x @ params[f"W{p}"] + params[f"b{p}"]).reshape(batch, seq, heads, d // heads).transpose(0, 2, 1, 3)
+
+    q, k, v = split("q"), split("k"), split("v")
+    attention = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) / np.sqrt(d // heads), axis=-1)
+    context = (attention @ v).transpose(0, 2, 1, 3).reshape(batch, seq, d)
+    h1 = _layer_norm(x + context @ params["Wo"] + params["bo"], params["ln1_g"], params["ln1_b"])
+    ffn = jnp.maximum(h1 @ params["W1"] + params["b1"], 0) @ params["W2"] + params["b2"]
+    h2 = _layer_norm(h1 + ffn, params["ln2_g"], params["ln2_b"])
+    return h2.mean(1) @ params["Wc"] + params["bc"]
+
+
+RESNET18_INPUT = (3, 112, 112)  # with batch 8: ResNet-18's graph at a quarter of the pixels
+
+
+def resnet18_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """ResNet-18's 11.2 M trainable parameters (convolutions, BatchNorm scale/bias, the head)."""
+    rng = np.random.default_rng(seed)
+    weights: dict[str, np.ndarray] = {}
+
+    def conv(name: str, out: int, inp: int, k: int) -> None:
+        weights[name] = (rng.standard_normal((out, inp, k, k)) * np.sqrt(2 / (inp * k * k))).astype(np.float32)
+        weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
+
+    conv("stem", 64, 3, 7)
+    for name, inp, out, stride in _resnet18_blocks():
+        conv(f"{name}_a", out, inp, 3)
+        conv(f"{name}_b", out, out, 3)
+        if stride != 1 or inp != out:
+            conv(f"{name}_down", out, inp, 1)
+    weights["fc_W"] = (rng.standard_normal((512, 10)) * np.sqrt(1 / 512)).astype(np.float32)
+    weights["fc_b"] = np.zeros(10, np.float32)
+    return weights
+
+
+def _resnet18_blocks() -> list[tuple[str, int, int, int]]:
+    """(name, in channels, out channels, stride) of the 4 stages x 2 basic blocks."""
+    blocks, inp = [], 64
+    for stage, out in enumerate((64, 128, 256, 512)):
+        for index in range(2):
+            stride = 2 if stage > 0 and index == 0 else 1
+            blocks.append((f"s{stage}b{index}", inp, out, stride))
+            inp = out
+    return blocks
+
+
+def resnet18_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """conv 7x7/2 + BN + ReLU + maxpool 3x3/2, 4 stages x 2 basic blocks (64/128/256/512),
+    global average pool, Gemm. BatchNorm in inference form, running statistics as Constants."""
+    nodes: list[onnx.NodeProto] = []
+
+    def conv_bn(x: str, name: str, stride: int, relu: bool) -> str:
+        k = weights[name].shape[-1]
+        channels = weights[name].shape[0]
+        nodes.extend([
+            helper.make_node("Conv", [x, name], [f"{name}_conv"], kernel_shape=[k, k], strides=[stride] * 2,
+                             pads=[k // 2] * 4),
+            _constant(f"{name}_mean", np.zeros(channels, np.float32)),
+            _constant(f"{name}_var", np.ones(channels, np.float32)),
+            helper.make_node("BatchNormalization", [f"{name}_conv", f"{name}_g", f"{name}_b", f"{name}_mean",
+                                                    f"{name}_var"], [f"{name}_bn"])])
+        if not relu:
+            return f"{name}_bn"
+        nodes.append(helper.make_node("Relu", [f"{name}_bn"], [f"{name}_out"]))
+        return f"{name}_out"
+
+    h = conv_bn("x", "stem", 2, relu=True)
+    nodes.append(helper.make_node("MaxPool", [h], ["pool"], kernel_shape=[3, 3], strides=[2, 2],
+                                  pads=[1, 1, 1, 1]))
+    h = "pool"
+    for name, _, _, stride in _resnet18_blocks():
+        branch = conv_bn(conv_bn(h, f"{name}_a", stride, relu=True), f"{name}_b", 1, relu=False)
+        shortcut = conv_bn(h, f"{name}_down", stride, relu=False) if f"{name}_down" in weights else h
+        nodes += [helper.make_node("Add", [branch, shortcut], [f"{name}_sum"]),
+                  helper.make_node("Relu", [f"{name}_sum"], [f"{name}_out"])]
+        h = f"{name}_out"
+    nodes += [helper.make_node("GlobalAveragePool", [h], ["gap"]),
+              helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
+              helper.make_node("Gemm", ["flat", "fc_W", "fc_b"], ["logits"])]
+    graph = helper.make_graph(
+        nodes, "resnet18", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *RESNET18_INPUT])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def for_onnxruntime_training(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` at opset 17 and IR version 9, which onnx 1.17 and onnxruntime-training 1.19 accept."""
+    converted = onnx.version_converter.convert_version(model, 17)
+    converted.ir_version = 9
+    return converted
 
 
 # ---------------------------------------------------------------------------

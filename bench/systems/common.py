@@ -1,0 +1,77 @@
+"""What every worker shares: its job (argv[1], JSON), the model's weights and batches as
+bench/run.py wrote them, the timing loop, and the one JSON line it prints last.
+
+numpy and the standard library only, so it runs in the ONNX Runtime venv too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+def job() -> dict:
+    """{"model", "dir", "warmup", "steps"} (+ "prepare" for ort_training.py)."""
+    return json.loads(sys.argv[1])
+
+
+def weights(task: dict) -> dict[str, np.ndarray]:
+    with np.load(Path(task["dir"]) / f"{task['model']}.weights.npz") as data:
+        return dict(data)
+
+
+def batches(task: dict) -> list[Batch]:
+    with np.load(Path(task["dir"]) / f"{task['model']}.batches.npz") as data:
+        return [{"x": x, "labels": labels} for x, labels in zip(data["x"], data["labels"])]
+
+
+def time_steps(step: Callable[[Batch], float], data: list[Batch], task: dict) -> dict:
+    """`warmup` untimed steps, then `steps` timed ones, cycling through the batches.
+
+    step(batch) runs one training step and returns its loss as a Python float. Returns the
+    first step's loss (from the initial weights: equal across systems) and its time (includes
+    compiling), and the timed steps' seconds."""
+    start = time.perf_counter()
+    first_loss = step(data[0])
+    first_s = time.perf_counter() - start
+    for index in range(1, task["warmup"]):
+        step(data[index % len(data)])
+    done, times = max(task["warmup"], 1), []
+    for index in range(done, done + task["steps"]):
+        start = time.perf_counter()
+        step(data[index % len(data)])
+        times.append(time.perf_counter() - start)
+    return {"first_loss": first_loss, "first_s": first_s, "times": times}
+
+
+def versions(*packages: str) -> dict[str, str]:
+    found = {}
+    for package in packages:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def report(**fields) -> None:
+    """Print the result line, with this process's peak resident set size: VmHWM (Linux), the
+    high-water mark of this program's own memory. getrusage's ru_maxrss is never below the
+    parent's resident set at the fork that started this process (Linux carries it over exec):
+    150-190 MB for bench/run.py, which has imported JAX, more than ONNX Runtime's whole process."""
+    status = Path("/proc/self/status").read_text()
+    fields["peak_rss_mb"] = int(status.split("VmHWM:")[1].split()[0]) / 1024
+    print(json.dumps(fields), flush=True)
+
+
+def unavailable(reason: str) -> None:
+    report(unavailable=reason)
+    sys.exit(0)

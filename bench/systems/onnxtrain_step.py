@@ -1,0 +1,18 @@
+"""onnxtrain-step: onnxtrain.Trainer on the TrainingInfoProto model, one Trainer.step per
+batch, the loss read back as a Python float."""
+
+import time
+from pathlib import Path
+
+import common
+import onnxtrain
+
+task = common.job()
+data = common.batches(task)
+
+start = time.perf_counter()
+trainer = onnxtrain.Trainer(Path(task["dir"]) / f"{task['model']}.training.onnx")
+setup_s = time.perf_counter() - start
+result = common.time_steps(lambda batch: float(trainer.step(batch)["loss"]), data, task)
+common.report(**result, setup_s=setup_s, compilations=trainer.compilations,
+              versions=common.versions("onnxtrain", "jax", "jaxlib", "onnx", "numpy"))
