@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from onnxtrain.builder import Trainable, trainable_names
 from onnxtrain.compilation_cache import enable_compilation_cache
@@ -27,6 +28,7 @@ from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, host_copy
 from onnxtrain.proto import ModelProto, ValueInfoProto
+from onnxtrain.sharding import placement
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
@@ -59,7 +61,8 @@ class FineTuner:
 
     def __init__(self, model: ModelSource, loss: str | LossFunction, optimizer: optax.GradientTransformation,
                  output: str | None = None, trainable: Trainable = None, label: str = "labels",
-                 seed: int = 0):
+                 seed: int = 0, mesh: Mesh | None = None):
+        """mesh: train data-parallel on this jax.sharding.Mesh, as Trainer(mesh=...) does."""
         enable_compilation_cache()
         self.model = load_model(model)
         self.state_names = tuple(trainable_names(self.model, trainable))
@@ -78,16 +81,22 @@ class FineTuner:
             raise BindingError(f"label={label!r} is already an input of the model; pass another name")
         self.label = label
         self._optimizer = optimizer
-        self._inference = InferenceProgram(self.model, self.state_names)
         weights = dict(iter_initializers(self.model.graph, lambda name: name in self.state_names))
+        self._placement = placement(mesh, self.model, {name: value.shape for name, value in weights.items()})
+        self._inference = InferenceProgram(self.model, self.state_names, self._placement)
         with jax.enable_x64(True):
             slots, self._slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
         self._slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
         self._store = StateStore({**weights, **dict(zip(self._slot_names, slots))}, jax.random.key(seed))
+        self._place_state()
         self._check_feeds = FeedChecker([*self._inference.declared_inputs, ValueInfoProto(name=label)],
                                         "fine-tuning step")
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._loss_only = jax.jit(self._objective)
+
+    def _place_state(self) -> None:
+        self._store.commit(self._placement.place_state(self._store.values),
+                           self._placement.replicate(self._store.key))
 
     @property
     def state(self) -> StateView:
@@ -114,11 +123,12 @@ class FineTuner:
         updates, slots = self._optimizer.update(grads, slots, weights)
         weights = optax.apply_updates(weights, updates)
         new_slots = jax.tree_util.tree_leaves(slots)
-        return {**weights, **dict(zip(self._slot_names, new_slots))}, key, {"loss": loss}
+        new_values = {**weights, **dict(zip(self._slot_names, new_slots))}
+        return self._placement.constrain_state(new_values), key, {"loss": loss}
 
     def step(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
         """One optimizer step on a batch: the model's inputs plus the label; returns {"loss": ...}."""
-        checked = self._check_feeds(feeds)
+        checked = self._placement.place_batch(self._check_feeds(feeds), self._check_feeds.where)
         with jax.enable_x64(True):
             try:
                 values, key, outputs = self._jitted(self._store.values, self._store.key,
@@ -130,14 +140,14 @@ class FineTuner:
 
     def evaluate(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
         """The loss on a batch with the current weights; changes nothing."""
-        checked = self._check_feeds(feeds)
+        checked = self._placement.place_batch(self._check_feeds(feeds), self._check_feeds.where)
         weights = {name: self._store.values[name] for name in self.state_names}
         with jax.enable_x64(True):
             return {"loss": self._loss_only(weights, self._inference.constants, checked, self._store.key)}
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The model's outputs with the current weights."""
-        checked = self._inference.check_feeds(feeds)
+        checked = self._placement.replicate(self._inference.check_feeds(feeds))
         return self._inference.run(self._store.values, checked, self._store.key)
 
     def fit(self, batches: Batches, epochs: int = 1, progress: bool = True,
@@ -166,11 +176,13 @@ class FineTuner:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         values, key, _ = checkpoint.load_checkpoint(path)
         self._store.restore(values, key, f"checkpoint {str(path)!r}")
+        self._place_state()
 
 
 def finetune(model: ModelSource, loss: str | LossFunction = "cross_entropy",
              optimizer: optax.GradientTransformation | None = None, *, output: str | None = None,
-             trainable: Trainable = None, label: str = "labels", seed: int = 0) -> FineTuner:
+             trainable: Trainable = None, label: str = "labels", seed: int = 0,
+             mesh: Mesh | None = None) -> FineTuner:
     """A FineTuner for `model`: loss as in make_training_model (or a jax function
-    (prediction, label) -> scalar), any optax optimizer (default: adam 1e-3)."""
-    return FineTuner(model, loss, optimizer or optax.adam(1e-3), output, trainable, label, seed)
+    (prediction, label) -> scalar), any optax optimizer (default: adam 1e-3), on `mesh` if given."""
+    return FineTuner(model, loss, optimizer or optax.adam(1e-3), output, trainable, label, seed, mesh)

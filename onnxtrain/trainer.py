@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
@@ -24,6 +25,7 @@ from onnxtrain.fitting import Batches, Callback, Stacked, fit, same_signature_ru
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
+from onnxtrain.sharding import placement
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.training import initial_values, light_graph, validate
@@ -106,10 +108,14 @@ def replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None
 class Trainer:
     """Run a model's TrainingInfoProtos: initialize(), step(), infer(), fit(), export()."""
 
-    def __init__(self, model: ModelSource, seed: int | None = None, nan_policy: str = "raise"):
+    def __init__(self, model: ModelSource, seed: int | None = None, nan_policy: str = "raise",
+                 mesh: Mesh | None = None):
         """seed: the PRNG seed. None resumes the key an exported model carries, else uses 0.
         nan_policy: what a step producing NaN/Inf in the state or its outputs does: "raise"
-        (NumericError, state kept), "skip" (log, state kept) or "ignore" (apply it)."""
+        (NumericError, state kept), "skip" (log, state kept) or "ignore" (apply it).
+        mesh: train data-parallel on every device of this jax.sharding.Mesh, feeds split along
+        axis 0 over its "batch" axis (else its first), honouring the model's sharding
+        annotations (see onnxtrain.sharding). None: the default device."""
         enable_compilation_cache()
         self._model = load_model(model)
         if not self._model.training_info:
@@ -126,12 +132,20 @@ class Trainer:
         values = itertools.chain(initial_values(self._model, layout), ((n, v) for n, (_, v) in hyper.items()))
         self._store = StateStore(values, key)
         self._model = without_payloads(self._model, self._home)
+        self._placement = placement(mesh, self._model, {n: v.shape for n, v in self._store.values.items()})
+        self._place_state()
         variables = [*self.state_names, *self.hyperparameter_names]
         self._initializations = [InitializationProgram(self._model, i) if info.HasField("initialization")
                                  else None for i, info in enumerate(self._model.training_info)]
-        self._steps = [StepProgram(self._model, i, variables, nan_policy)
+        self._steps = [StepProgram(self._model, i, variables, nan_policy, self._placement)
                        for i in range(len(self._model.training_info))]
-        self._inference = InferenceProgram(self._model, variables)
+        self._inference = InferenceProgram(self._model, variables, self._placement)
+
+    def _place_state(self) -> None:
+        """Put every state value (and the key) where the steps expect it, after any change
+        made outside a step."""
+        self._store.commit(self._placement.place_state(self._store.values),
+                           self._placement.replicate(self._store.key))
 
     @property
     def state(self) -> StateView:
@@ -152,6 +166,7 @@ class Trainer:
     def set_state(self, name: str, value: Any) -> None:
         """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
         self._store.set(name, value)
+        self._place_state()
 
     def initialize(self) -> None:
         """Run every initialization graph in model order, applying its bindings after each."""
@@ -161,11 +176,12 @@ class Trainer:
                 key, subkey = jax.random.split(key)
                 values.update(program.run(values, subkey))
         self._store.commit(values, key)
+        self._place_state()
 
     def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """One training step of training_info[algorithm]; returns the outputs no binding consumes."""
         program = self._step_program(algorithm)
-        checked = program.check_feeds(feeds)
+        checked = self._placement.place_batch(program.check_feeds(feeds), program.where)
         return program.run(self._store, checked)
 
     def step_inputs(self, algorithm: int = 0) -> list[str]:
@@ -180,7 +196,7 @@ class Trainer:
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The main graph's outputs with the current state; changes nothing."""
-        checked = self._inference.check_feeds(feeds)
+        checked = self._placement.replicate(self._inference.check_feeds(feeds))
         key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
         return self._inference.run(self._store.values, checked, key)
 
@@ -203,14 +219,16 @@ class Trainer:
         """One step per batch; each run of same-shaped batches is one compiled call whose
         outputs come back Stacked. Every feed is checked before any step runs."""
         program = self._step_program(algorithm)
-        checked = [program.check_feeds(feeds) for feeds in batches]
-        return [Stacked(program.run_many(self._store, stack(run))) if len(run) > 1
-                else program.run(self._store, run[0]) for run in same_signature_runs(checked)]
+        place = self._placement
+        checked = [place.check_batch(program.check_feeds(feeds), program.where) for feeds in batches]
+        return [Stacked(program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True)))
+                if len(run) > 1 else program.run(self._store, place.place_batch(run[0], program.where))
+                for run in same_signature_runs(checked)]
 
     def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """What step() would return for these feeds, without changing any state."""
         program = self._step_program(algorithm)
-        checked = program.check_feeds(feeds)
+        checked = self._placement.place_batch(program.check_feeds(feeds), program.where)
         return program.evaluate(self._store, checked)
 
     def export(self, path: str | os.PathLike, training: bool = True,
@@ -247,6 +265,7 @@ class Trainer:
         """Restore a checkpoint saved by a Trainer of the same model."""
         values, key, _ = checkpoint.load_checkpoint(path)
         self._store.restore(values, key, f"checkpoint {str(path)!r}")
+        self._place_state()
 
     def __repr__(self) -> str:
         return (f"Trainer({self._model.graph.name or 'model'!r}: {len(self.state_names)} state "

@@ -70,6 +70,33 @@ def test_skip_logs_and_goes_on(caplog):
     assert "skipped, state unchanged" in caplog.text
 
 
+def test_inf_without_nan_is_caught_too():
+    huge = {"x": np.full((4, 3), 1e20, np.float32), "labels": np.zeros((4, 2), np.float32)}
+    unchecked = onnxtrain.Trainer(MODEL, nan_policy="ignore")
+    unchecked.step(huge)
+    weights = np.asarray(unchecked.state["W"])
+    assert np.isinf(weights).any() and not np.isnan(weights).any()
+    checked = onnxtrain.Trainer(MODEL)
+    before = _state(checked)
+    with pytest.raises(NumericError, match=r"'W'"):
+        checked.step(huge)
+    _assert_same(_state(checked), before)
+
+
+def test_checked_steps_recycle_buffers_without_mixing_values():
+    """Checked steps write into the buffers the step before replaced (or, after a fault,
+    into the discarded result): many steps with faults in between must still equal plain
+    in-place steps over the good batches, bit for bit."""
+    good = [_batch() for _ in range(5)]
+    checked, reference = onnxtrain.Trainer(MODEL, nan_policy="skip"), onnxtrain.Trainer(MODEL, nan_policy="ignore")
+    for feeds in (good[0], good[1], BAD, good[2], BAD, BAD, good[3], good[4]):
+        checked.step(feeds)
+        _state(checked)
+    for feeds in good:
+        reference.step(feeds)
+    _assert_same(_state(checked), _state(reference))
+
+
 def test_ignore_applies_the_faulty_step():
     trainer = onnxtrain.Trainer(MODEL, nan_policy="ignore")
     trainer.step(BAD)
