@@ -77,6 +77,8 @@ class Translator:
         self.opsets = {normalize_domain(d): v for d, v in opsets.items()}
         self.functions = {(f.domain, f.name, f.overload): f for f in functions}
         self.missing: dict[tuple[str, str, int], list[str]] = {}
+        # Functions whose bodies are being planned, outermost first: a call back into one recurses.
+        self._calling: list[FunctionProto] = []
 
     def plan(self, graph: GraphProto, constants: Mapping[str, Any] | None = None,
              opsets: Mapping[str, int] | None = None, where: str = "main graph") -> GraphPlan:
@@ -118,12 +120,21 @@ class Translator:
     def _function_spec(self, node: NodeProto, function: FunctionProto, attrs: dict[str, Any],
                        label: str) -> NodeSpec:
         """A call of a model-local function: its body planned with this call's attributes."""
+        if function in self._calling:
+            chain = " -> ".join(f"{f.domain}::{f.name}" for f in [*self._calling, function])
+            raise ModelLoadError(
+                f"{label}: function {function.domain}::{function.name} calls itself ({chain}); "
+                f"ONNX functions cannot recurse, so break the cycle in the model's functions")
         values = {a.name: decode_attribute(a, label) for a in function.attribute_proto}
         values.update(attrs)
         body = GraphProto(name=function.name, node=_bind_attributes(function.node, values, label))
         opsets = dict(self.opsets)
         opsets.update({normalize_domain(o.domain): o.version for o in function.opset_import})
-        plan = self.plan(body, opsets=opsets, where=f"function {function.domain}::{function.name}")
+        self._calling.append(function)
+        try:
+            plan = self.plan(body, opsets=opsets, where=f"function {function.domain}::{function.name}")
+        finally:
+            self._calling.pop()
         plan.inputs = list(function.input)
         plan.outputs = list(function.output)
 
@@ -196,13 +207,38 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
     node = Node(spec, evaluation, scope, host)
     if host and not spec.random:
         with jax.ensure_compile_time_eval():
-            result = spec.call(node, *inputs)
+            result = _call(spec, node, inputs)
         result = _concrete_to_host(result)
     else:
-        result = spec.call(node, *inputs)
+        result = _call(spec, node, inputs)
         if evaluation.eager:
             result = _concrete_to_host(result)
     _bind_outputs(spec, scope.maps[0], result)
+
+
+# What an op handler raises when a node's inputs or attributes do not fit its operator: too
+# many or too few inputs, a required input left empty, shapes that do not broadcast.
+_MISFIT_ERRORS = (TypeError, ValueError, IndexError, KeyError)
+
+
+def _described(value: Any) -> str:
+    if value is None:
+        return "empty"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return f"{dtype}{list(shape)}" if shape is not None else type(value).__name__
+
+
+def _call(spec: NodeSpec, node: Node, inputs: list[Any]) -> Any:
+    """The handler's result; a misfit error becomes a ModelLoadError naming the node and its inputs."""
+    try:
+        return spec.call(node, *inputs)
+    except _MISFIT_ERRORS as error:
+        described = ", ".join(f"{name or '(empty)'}: {_described(value)}"
+                              for name, value in zip(spec.proto.input, inputs))
+        raise ModelLoadError(
+            f"{spec.label}: cannot be computed from inputs [{described}] ({type(error).__name__}: "
+            f"{error}). Fix the node's inputs or attributes in the model, or the shapes of the "
+            f"feeds.") from None
 
 
 def _concrete_to_host(result: Any) -> Any:

@@ -199,10 +199,11 @@ class Node:
         """Evaluate a graph attribute with `inputs`; outer-scope names stay visible."""
         from onnxtrain.translate.graph import evaluate_plan
 
-        plan = self.spec.subgraphs[attr_name]
-        return evaluate_plan(plan, inputs, self.scope, self.evaluation)
+        return evaluate_plan(self.subgraph_plan(attr_name), inputs, self.scope, self.evaluation)
 
     def subgraph_plan(self, attr_name: str):
+        if attr_name not in self.spec.subgraphs:
+            raise self.error(f"required graph attribute {attr_name!r} is missing or not a graph")
         return self.spec.subgraphs[attr_name]
 
     def error(self, message: str) -> ModelLoadError:
