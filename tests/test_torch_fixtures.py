@@ -89,11 +89,13 @@ def test_translated_sgd_matches_torch_eval_mode(name):
     np.testing.assert_allclose(losses, oracle["sgd_losses_eval"], rtol=1e-4)
 
 
-def assert_arrays_close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
-    """Exact for labels and strings; floats to what another CPU's torch may differ by."""
+def assert_arrays_close(actual: np.ndarray, expected: np.ndarray, what: str, scale: float | None = None) -> None:
+    """Exact for labels and strings; floats to what another CPU's torch may differ by, with the
+    absolute tolerance relative to `scale` (default: the array's own largest value)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     if actual.dtype.kind == "f":
-        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * np.max(np.abs(expected)), err_msg=what)
+        scale = np.max(np.abs(expected)) if scale is None else scale
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * scale, err_msg=what)
     else:
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
@@ -113,5 +115,9 @@ def test_script_reproduces_committed_fixtures():
         del model.graph.initializer[:], expected.graph.initializer[:]
         assert model == expected, f"{name}.onnx graph differs"
         assert arrays.keys() == committed.keys(), name
+        # A gradient that is zero in exact arithmetic (a conv bias before training-mode
+        # BatchNorm) is rounding noise on both sides: compare gradients on the model's scale.
+        gradient_scale = max(np.max(np.abs(v)) for k, v in committed.items() if "grad__" in k)
         for key, value in arrays.items():
-            assert_arrays_close(np.asarray(value), committed[key], f"{name} {key}")
+            scale = gradient_scale if "grad__" in key else None
+            assert_arrays_close(np.asarray(value), committed[key], f"{name} {key}", scale)
