@@ -37,7 +37,7 @@ def spirals(points_per_class: int = 200, seed: int = 0) -> tuple[np.ndarray, np.
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """The bundled 8x8 digits (UCI, CC BY 4.0): images float32 [1797, 1, 8, 8] in [0, 1], labels."""
-    with np.load(resources.files("onnxtrain") / "models" / "digits.npz") as data:
+    with np.load(resources.files("onnxtrain") / "models" / "digits.npz", allow_pickle=False) as data:
         return (data["images"] / np.float32(16)).astype(np.float32), data["labels"].astype(np.int64)
 
 

@@ -26,7 +26,16 @@ VERSION = 1
 
 
 def _dtype(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    """A numeric dtype by name (ml_dtypes' too). The manifest comes from the file, so anything
+    else (objects, strings, records, arbitrary attributes) is refused as a ValueError."""
+    scalar = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+    try:
+        dtype = np.dtype(scalar) if isinstance(scalar, type) and issubclass(scalar, np.generic) else np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or (dtype.kind not in "biufc" and scalar is None):
+        raise ValueError(f"dtype {name!r} is not a numeric array type")
+    return dtype
 
 
 def save_checkpoint(path: str | os.PathLike, values: Mapping[str, Any], key: jax.Array,
