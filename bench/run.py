@@ -42,9 +42,13 @@ import models  # noqa: E402
 BATCH, BATCHES = 64, 8
 ORT_VENV = BENCH / ".venv-ort"
 ORT_PACKAGES = ["onnxruntime-training==1.19.2", "onnx==1.17.0", "numpy<2"]
-SYSTEMS = {"onnxtrain-step": "onnxtrain_step.py", "onnxtrain-fit": "onnxtrain_fit.py",
-           "jax-handwritten": "jax_handwritten.py", "ort-training": "ort_training.py",
-           "torch-eager": "torch_eager.py"}
+# name: (worker script, what it adds to the job). onnxtrain-step runs the Trainer's default
+# NaN/Inf guard; onnxtrain-step-unchecked (nan_policy "ignore") does what the others do.
+SYSTEMS = {"onnxtrain-step": ("onnxtrain_step.py", {}),
+           "onnxtrain-step-unchecked": ("onnxtrain_step.py", {"nan_policy": "ignore"}),
+           "onnxtrain-fit": ("onnxtrain_fit.py", {}),
+           "jax-handwritten": ("jax_handwritten.py", {}), "ort-training": ("ort_training.py", {}),
+           "torch-eager": ("torch_eager.py", {})}
 # name: (weights, ONNX builder, input shape, (warm-up, timed steps) full, quick)
 MODELS = {
     "mlp": (models.mlp_weights, models.mlp_onnx, (784,), (50, 200), (8, 16)),
@@ -99,7 +103,8 @@ def ort_python(build: bool) -> tuple[Path | None, str]:
 
 def run_worker(python: Path, system: str, task: dict, env: dict | None = None) -> dict:
     """One fresh process of `system`; its JSON line, or {"unavailable": why}."""
-    command = [str(python), str(BENCH / "systems" / SYSTEMS[system]), json.dumps(task)]
+    script, settings = SYSTEMS[system]
+    command = [str(python), str(BENCH / "systems" / script), json.dumps({**task, **settings})]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT,
                               env={**os.environ, **(env or {})})
@@ -196,7 +201,10 @@ steps untimed (the first one compiles), then times each step with `time.perf_cou
 including feeding a numpy batch and reading the loss back as a Python float.
 **median** is the median over rounds of each process's median step; **p10/p90** are
 percentiles of all timed steps of all rounds; ratios divide medians of this run.
-onnxtrain-fit times each `Trainer.fit` call over up to 64 batches (8 steps per compiled call;
+onnxtrain-step runs the Trainer's default NaN/Inf guard (`nan_policy="raise"`: every bound
+value and the loss checked each step, the state double-buffered so a faulty step changes
+nothing); onnxtrain-step-unchecked (`nan_policy="ignore"`) does the work the other systems do,
+none of which checks. onnxtrain-fit times each `Trainer.fit` call over up to 64 batches (8 steps per compiled call;
 its row says how many) and divides by that count, so its p10/p90 are over calls; its losses
 come back one chunk late. **Peak RSS** is the process's
 VmHWM from /proc/self/status (median over rounds; not `ru_maxrss`, which on Linux is never

@@ -2,8 +2,10 @@
 
 Targets (issue 3): the MLP (784-256-10, batch 64) per call within 1.2x of the
 hand-written jitted function, compiling once; the CNN of performance-anchors.md
-within 1.1x. Each round times both versions back to back, alternating which
-goes first; the ratio reported is the median over rounds of per-round medians.
+within 1.1x. When onnxruntime is installed, its InferenceSession on the same
+model is timed in the same rounds (issue 6 anchor: forward-only CNN within 1.5x
+of it). Each round times every system back to back, reversing the order every
+other round; a ratio reported is the median over rounds of per-round ratios.
 
 Usage: python bench/translate_forward.py [--rounds 5] [--calls 300]
 """
@@ -35,31 +37,44 @@ def _median_call_seconds(call, calls: int) -> float:
     return statistics.median(times)
 
 
+def _onnxruntime(onnx_model, x):
+    """A call of onnxruntime's InferenceSession on the model, or None without onnxruntime."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    session = onnxruntime.InferenceSession(onnx_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, {"x": x})[0]
+
+
 def compare(name: str, onnx_model, hand_written, weights, x, rounds: int, calls: int) -> float:
     translated, params = onnxtrain.translate_model(onnx_model)
-    traces = []
-    jitted = jax.jit(lambda p, v: (traces.append(1), hand_written(p, v))[1])
+    jitted = jax.jit(hand_written)
     hand_params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
-    ours = lambda: translated(params, {"x": x})["logits"]  # noqa: E731
-    theirs = lambda: jitted(hand_params, x)  # noqa: E731
-    np.testing.assert_allclose(np.asarray(ours()), np.asarray(theirs()), rtol=1e-4, atol=1e-4)
+    systems = {"translated": lambda: translated(params, {"x": x})["logits"],
+               "hand-written jit": lambda: jitted(hand_params, x)}
+    if (onnxruntime_call := _onnxruntime(onnx_model, x)) is not None:
+        systems["onnxruntime"] = onnxruntime_call
+    for call in systems.values():
+        np.testing.assert_allclose(np.asarray(call()), np.asarray(systems["translated"]()), rtol=1e-4, atol=1e-4)
     for _ in range(50):
-        ours(), theirs()
+        for call in systems.values():
+            call()
     compiles_before = translated._jitted._cache_size()
-    ratios, our_times, their_times = [], [], []
+    times: dict[str, list[float]] = {system: [] for system in systems}
+    ratios: dict[str, list[float]] = {system: [] for system in systems}
     for index in range(rounds):
-        pair = (ours, theirs) if index % 2 == 0 else (theirs, ours)
-        measured = {id(f): _median_call_seconds(f, calls) for f in pair}
-        our_times.append(measured[id(ours)])
-        their_times.append(measured[id(theirs)])
-        ratios.append(measured[id(ours)] / measured[id(theirs)])
+        order = list(systems) if index % 2 == 0 else list(systems)[::-1]
+        measured = {system: _median_call_seconds(systems[system], calls) for system in order}
+        for system, seconds in measured.items():
+            times[system].append(seconds)
+            ratios[system].append(measured["translated"] / seconds)
     compiles = translated._jitted._cache_size()
-    print(f"{name:<6} translated {statistics.median(our_times) * 1e3:7.3f} ms   "
-          f"hand-written jit {statistics.median(their_times) * 1e3:7.3f} ms   "
-          f"ratio {statistics.median(ratios):5.3f}   "
-          f"compilations {compiles} (unchanged over {rounds * calls} timed calls: "
-          f"{compiles == compiles_before})")
-    return statistics.median(ratios)
+    others = "   ".join(f"{system} {statistics.median(times[system]) * 1e3:7.3f} ms "
+                        f"(ratio {statistics.median(ratios[system]):5.3f})" for system in list(systems)[1:])
+    print(f"{name:<6} translated {statistics.median(times['translated']) * 1e3:7.3f} ms   {others}   "
+          f"compilations {compiles} (unchanged over {rounds * calls} timed calls: {compiles == compiles_before})")
+    return statistics.median(ratios["hand-written jit"])
 
 
 def main() -> None:
