@@ -88,15 +88,11 @@ class FineTuner:
             slots, self._slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
         self._slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
         self._store = StateStore({**weights, **dict(zip(self._slot_names, slots))}, jax.random.key(seed))
-        self._place_state()
+        self._placement.place_store(self._store)
         self._check_feeds = FeedChecker([*self._inference.declared_inputs, ValueInfoProto(name=label)],
                                         "fine-tuning step")
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._loss_only = jax.jit(self._objective)
-
-    def _place_state(self) -> None:
-        self._store.commit(self._placement.place_state(self._store.values),
-                           self._placement.replicate(self._store.key))
 
     @property
     def state(self) -> StateView:
@@ -176,7 +172,7 @@ class FineTuner:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         values, key, _ = checkpoint.load_checkpoint(path)
         self._store.restore(values, key, f"checkpoint {str(path)!r}")
-        self._place_state()
+        self._placement.place_store(self._store)
 
 
 def finetune(model: ModelSource, loss: str | LossFunction = "cross_entropy",

@@ -165,14 +165,19 @@ class StepProgram(_Program):
             return jnp.zeros((0,), bool)
         return jnp.stack([_non_finite(v) for _, v in watched])
 
-    def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
-              feeds: dict[str, Any], accepting: Any = True) -> tuple:
-        """(new state, key, outputs, faults); a faulty step leaves the state as it was."""
+    def _outputs(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+                 feeds: dict[str, Any]) -> tuple:
+        """(key, the bound variables' new values, the returned outputs) of one step."""
         key, subkey = jax.random.split(key) if self.random else (key, None)
         outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
                                         feeds, subkey)
-        new_state = self.placement.constrain_state({**state, **self._updates(state, outputs)})
-        returned = {name: outputs[name] for name in self.returned}
+        return key, self._updates(state, outputs), {name: outputs[name] for name in self.returned}
+
+    def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+              feeds: dict[str, Any], accepting: Any = True) -> tuple:
+        """(new state, key, outputs, faults); a faulty step leaves the state as it was."""
+        key, updates, returned = self._outputs(state, key, constants, feeds)
+        new_state = self.placement.constrain_state({**state, **updates})
         if self.nan_policy == "ignore":
             return new_state, key, returned, jnp.zeros((0,), bool)
         faults = self._faults(new_state, returned)
@@ -185,11 +190,8 @@ class StepProgram(_Program):
                       constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
         """(new values of the bound variables, key, outputs, faults); the new values land in
         the donated `spare` buffers, which the computation never reads."""
-        key, subkey = jax.random.split(key) if self.random else (key, None)
-        outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
-                                        feeds, subkey)
-        updates = self.placement.constrain_state(self._updates(state, outputs))
-        returned = {name: outputs[name] for name in self.returned}
+        key, updates, returned = self._outputs(state, key, constants, feeds)
+        updates = self.placement.constrain_state(updates)
         return updates, key, returned, self._faults(updates, returned)
 
     def _double_buffered(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
@@ -197,10 +199,11 @@ class StepProgram(_Program):
         fault. The replaced values become the next step's spare buffers."""
         old = store.values
         spare, self._spare = self._spare, {}
-        spare = {k: spare[k] if k in spare else self.placement.place_state({k: jnp.zeros_like(old[k])})[k]
-                 for k, _ in self.bindings}
+        missing = {k: jnp.zeros_like(old[k]) for k, _ in self.bindings if k not in spare}
+        spare.update(self.placement.place_state(missing))
         updates, key, outputs, faults = self._jitted(old, spare, store.key, self.constants, feeds)
-        if np.asarray(faults).any():
+        faults = np.asarray(faults)
+        if faults.any():
             self._spare = updates
             return old, key, outputs, faults
         # A value passed through unchanged comes back as the very same array: never recycle it.

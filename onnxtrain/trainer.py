@@ -133,19 +133,13 @@ class Trainer:
         self._store = StateStore(values, key)
         self._model = without_payloads(self._model, self._home)
         self._placement = placement(mesh, self._model, {n: v.shape for n, v in self._store.values.items()})
-        self._place_state()
+        self._placement.place_store(self._store)
         variables = [*self.state_names, *self.hyperparameter_names]
         self._initializations = [InitializationProgram(self._model, i) if info.HasField("initialization")
                                  else None for i, info in enumerate(self._model.training_info)]
         self._steps = [StepProgram(self._model, i, variables, nan_policy, self._placement)
                        for i in range(len(self._model.training_info))]
         self._inference = InferenceProgram(self._model, variables, self._placement)
-
-    def _place_state(self) -> None:
-        """Put every state value (and the key) where the steps expect it, after any change
-        made outside a step."""
-        self._store.commit(self._placement.place_state(self._store.values),
-                           self._placement.replicate(self._store.key))
 
     @property
     def state(self) -> StateView:
@@ -166,7 +160,7 @@ class Trainer:
     def set_state(self, name: str, value: Any) -> None:
         """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
         self._store.set(name, value)
-        self._place_state()
+        self._placement.place_store(self._store)
 
     def initialize(self) -> None:
         """Run every initialization graph in model order, applying its bindings after each."""
@@ -176,7 +170,7 @@ class Trainer:
                 key, subkey = jax.random.split(key)
                 values.update(program.run(values, subkey))
         self._store.commit(values, key)
-        self._place_state()
+        self._placement.place_store(self._store)
 
     def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """One training step of training_info[algorithm]; returns the outputs no binding consumes."""
@@ -265,7 +259,7 @@ class Trainer:
         """Restore a checkpoint saved by a Trainer of the same model."""
         values, key, _ = checkpoint.load_checkpoint(path)
         self._store.restore(values, key, f"checkpoint {str(path)!r}")
-        self._place_state()
+        self._placement.place_store(self._store)
 
     def __repr__(self) -> str:
         return (f"Trainer({self._model.graph.name or 'model'!r}: {len(self.state_names)} state "
