@@ -32,7 +32,7 @@ from onnxtrain.sharding import placement
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
-from onnxtrain.translate.graph import iter_initializers
+from onnxtrain.translate.graph import draws_random, iter_initializers
 
 LossFunction = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -91,6 +91,8 @@ class FineTuner:
         self._placement.place_store(self._store)
         self._check_feeds = FeedChecker([*self._inference.declared_inputs, ValueInfoProto(name=label)],
                                         "fine-tuning step")
+        # As in a Trainer's step: no key in or out unless the model draws random numbers.
+        self._random = draws_random(self._inference.translated.plan)
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._loss_only = jax.jit(self._objective)
 
@@ -110,9 +112,9 @@ class FineTuner:
         outputs = self._inference.translated.apply({**constants, **weights}, inputs, key)
         return self._loss(outputs[self.output], feeds[self.label])
 
-    def _step(self, values: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
-              feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array, dict[str, jax.Array]]:
-        key, subkey = jax.random.split(key)
+    def _step(self, values: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
+              feeds: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array | None, dict[str, jax.Array]]:
+        key, subkey = jax.random.split(key) if self._random else (None, None)
         weights = {name: values[name] for name in self.state_names}
         slots = jax.tree_util.tree_unflatten(self._slot_tree, [values[n] for n in self._slot_names])
         loss, grads = jax.value_and_grad(self._objective)(weights, constants, feeds, subkey)
@@ -127,7 +129,8 @@ class FineTuner:
         checked = self._placement.place_batch(self._check_feeds(feeds), self._check_feeds.where)
         with jax.enable_x64(True):
             try:
-                values, key, outputs = self._jitted(self._store.values, self._store.key,
+                values, key, outputs = self._jitted(self._store.values,
+                                                    self._store.key if self._random else None,
                                                     self._inference.constants, checked)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)

@@ -165,9 +165,10 @@ class StepProgram(_Program):
             return jnp.zeros((0,), bool)
         return jnp.stack([_non_finite(v) for _, v in watched])
 
-    def _outputs(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
+    def _outputs(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
                  feeds: dict[str, Any]) -> tuple:
-        """(key, the bound variables' new values, the returned outputs) of one step."""
+        """(key, the bound variables' new values, the returned outputs) of one step; `key` is
+        None for graphs without random ops (see `_key`)."""
         key, subkey = jax.random.split(key) if self.random else (key, None)
         outputs = self.translated.apply({**constants, **{n: state[n] for n in self.variables}},
                                         feeds, subkey)
@@ -179,7 +180,7 @@ class StepProgram(_Program):
         key, updates, returned = self._outputs(state, key, constants, feeds)
         new_state = self.placement.constrain_state({**state, **updates})
         if self.nan_policy == "ignore":
-            return new_state, key, returned, jnp.zeros((0,), bool)
+            return new_state, key, returned, None
         faults = self._faults(new_state, returned)
         accept = jnp.logical_and(accepting, ~jnp.any(faults))
         bound = {k for k, _ in self.bindings}
@@ -201,7 +202,7 @@ class StepProgram(_Program):
         spare, self._spare = self._spare, {}
         missing = {k: jnp.zeros_like(old[k]) for k, _ in self.bindings if k not in spare}
         spare.update(self.placement.place_state(missing))
-        updates, key, outputs, faults = self._jitted(old, spare, store.key, self.constants, feeds)
+        updates, key, outputs, faults = self._jitted(old, spare, self._key(store), self.constants, feeds)
         faults = np.asarray(faults)
         if faults.any():
             self._spare = updates
@@ -228,10 +229,17 @@ class StepProgram(_Program):
                                                           unroll=True)
         return self.placement.constrain_state(state), key, outputs, faults
 
-    def _settle(self, store: StateStore, state: dict, key: jax.Array, faults: Any, step: str) -> None:
+    def _key(self, store: StateStore) -> jax.Array | None:
+        """The key a compiled step takes: none unless the graph draws random numbers, since
+        a typed key among the arguments or results costs every call ~10 us of Python-side
+        handling (a tenth of a small model's dispatch). A None key is returned as None, and
+        committing None keeps the store's key."""
+        return store.key if self.random else None
+
+    def _settle(self, store: StateStore, state: dict, key: jax.Array | None, faults: Any, step: str) -> None:
         """Commit a step's result, then act on its faults as the policy says. Nothing watched
         (nan_policy "ignore") means no transfer, so the host never waits for the device."""
-        if np.size(faults) == 0:
+        if faults is None or np.size(faults) == 0:
             store.commit(state, key)
             return
         faults = np.asarray(faults)
@@ -246,7 +254,7 @@ class StepProgram(_Program):
             logger.warning("%s produced NaN/Inf in %s; skipped, state unchanged", where, names)
             store.commit(state, key)
             return
-        store.commit(state, key if len(rows) > 1 else store.key)
+        store.commit(state, key if len(rows) > 1 else None)
         raise NumericError(f"{where} produced NaN or Inf in {names}; the state keeps its last good "
                            "values. Lower the learning rate, check the data, or pass "
                            "nan_policy='skip' to skip such steps.")
@@ -256,7 +264,7 @@ class StepProgram(_Program):
         Falls back to step by step for graphs that cannot be traced."""
         with jax.enable_x64(True):
             try:
-                state, key, outputs, faults = self._scanned(store.values, store.key, self.constants, stacked)
+                state, key, outputs, faults = self._scanned(store.values, self._key(store), self.constants, stacked)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
@@ -271,7 +279,7 @@ class StepProgram(_Program):
         with jax.enable_x64(True):
             try:
                 state, key, outputs, faults = (
-                    self._jitted(store.values, store.key, self.constants, feeds) if self.nan_policy == "ignore"
+                    self._jitted(store.values, self._key(store), self.constants, feeds) if self.nan_policy == "ignore"
                     else self._double_buffered(store, feeds))
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
@@ -285,7 +293,7 @@ class StepProgram(_Program):
         """The step's unbound outputs from the current state, which stays untouched."""
         with jax.enable_x64(True):
             try:
-                return self._dry_run(store.values, store.key, self.constants, feeds)[2]
+                return self._dry_run(store.values, self._key(store), self.constants, feeds)[2]
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
