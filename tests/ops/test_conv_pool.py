@@ -20,6 +20,7 @@ from onnx.reference import ReferenceEvaluator
 import onnxtrain
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.translate.model import TranslatedModel
+from onnxtrain.translate.ops.conv_pool import TAPS_LIMIT, Window, conv_by_taps, library_conv
 
 RNG = np.random.default_rng(0)
 
@@ -139,6 +140,51 @@ def test_conv_gradients_match_finite_differences():
     for wrt in (0, 1):
         analytic, numeric = gradient("Conv", [x, w], wrt, group=2, strides=[2, 1], pads=[1, 1, 0, 2])
         np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("shape, kernel, group, window", [
+    ((2, 1, 9, 8), (5, 1, 3, 3), 1, ((1, 1), (1, 1), ((1, 1), (1, 1)))),
+    ((1, 2, 9, 10), (4, 2, 3, 3), 1, ((2, 1), (1, 2), ((2, 0), (1, 3)))),
+    ((1, 3, 8, 7), (6, 1, 3, 3), 3, ((1, 2), (1, 1), ((0, 1), (1, 1)))),  # depthwise, multiplier 2
+    ((1, 4, 11), (6, 2, 3), 2, ((2,), (2,), ((1, 2),))),
+    ((1, 1, 4, 5, 6), (2, 1, 2, 2, 2), 1, ((1, 2, 1), (1, 1, 2), ((0, 1), (1, 0), (1, 1)))),
+])
+def test_conv_by_taps_matches_the_library_convolution_in_every_mode(shape, kernel, group, window):
+    """The few-channel lowering against lax's convolution (an independent implementation):
+    values, reverse and forward derivatives, and second derivatives, in float64."""
+    strides, dilations, pads = window
+    window = Window(tuple(kernel[2:]), strides, dilations, pads)
+    assert kernel[1] * np.prod(kernel[2:]) <= TAPS_LIMIT
+    with jax.enable_x64(True):
+        x, w = RNG.standard_normal(shape), RNG.standard_normal(kernel)
+        taps, library = (lambda a, b: conv_by_taps(a, b, window, group)), (lambda a, b: library_conv(a, b, window, group))
+        np.testing.assert_allclose(taps(x, w), library(x, w), rtol=1e-12, atol=1e-12)
+        cotangent = RNG.standard_normal(library(x, w).shape)
+        for argnums in (0, 1, (0, 1)):
+            grads = [jax.grad(lambda a, b, f=f: jnp.sum(jnp.sin(f(a, b)) * cotangent), argnums)(x, w)
+                     for f in (taps, library)]
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), *grads)
+        dx, dw = RNG.standard_normal(shape), RNG.standard_normal(kernel)
+        tangents = [jax.jvp(f, (x, w), (dx, dw))[1] for f in (taps, library)]
+        np.testing.assert_allclose(*tangents, rtol=1e-10, atol=1e-12)
+        hessians = [jax.hessian(lambda b, f=f: jnp.sum(jnp.tanh(f(x, b))))(w) for f in (taps, library)]
+        np.testing.assert_allclose(*hessians, rtol=1e-9, atol=1e-12)
+
+
+def test_few_channel_convolutions_are_lowered_by_taps():
+    """Float 1-channel 3x3 convolutions take the taps path (no convolution in the program);
+    wide or half-precision ones keep the library convolution."""
+    def lowered(x, w):
+        model = make_model("Conv", [x, w], 17, pads=[1, 1, 1, 1])
+        translated = TranslatedModel(model)
+        return str(jax.jit(lambda: translated({}, {"X0": x, "X1": w}, None)).lower().as_text())
+
+    narrow = np.ones((2, 1, 6, 6), np.float32), np.ones((4, 1, 3, 3), np.float32)
+    wide = np.ones((2, 8, 6, 6), np.float32), np.ones((4, 8, 3, 3), np.float32)
+    half = tuple(a.astype(np.float16) for a in narrow)
+    assert "convolution" not in lowered(*narrow)
+    assert "convolution" in lowered(*wide)
+    assert "convolution" in lowered(*half)
 
 
 def test_conv_rejects_unknown_auto_pad_and_channel_mismatch():
