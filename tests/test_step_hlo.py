@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxtrain
 
 RNG = np.random.default_rng(0)
-WEIGHTS = {"C": RNG.normal(size=(4, 1, 3, 3)).astype(np.float32), "W": RNG.normal(size=(144, 5)).astype(np.float32)}
+# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op.
+WEIGHTS = {"C": RNG.normal(size=(4, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(144, 5)).astype(np.float32)}
 OPS = ("dot", "convolution", "exponential", "log")
 
 
@@ -30,7 +31,7 @@ def _onnx_model():
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Tanh", ["c"], ["t"]),
          helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])],
-        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 6, 6])],
+        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
         [numpy_helper.from_array(v, k) for k, v in WEIGHTS.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
@@ -53,7 +54,7 @@ def _hand_written_hlo(x, labels) -> str:
 
 
 def test_forward_pass_is_computed_once_per_step():
-    x = RNG.normal(size=(8, 1, 6, 6)).astype(np.float32)
+    x = RNG.normal(size=(8, 3, 6, 6)).astype(np.float32)
     labels = RNG.integers(0, 5, 8).astype(np.int64)
     # "ignore": the hand-written step has no NaN/Inf check, whose zero matrix-vector products
     # would add dots of their own.
@@ -61,7 +62,7 @@ def test_forward_pass_is_computed_once_per_step():
     program = trainer._steps[0]
     feeds = program.check_feeds({"x": x, "labels": labels})
     with jax.enable_x64(True):
-        ours = program._jitted.lower(trainer._store.values, trainer._store.key, program.constants,
+        ours = program._jitted.lower(trainer._store.values, program._key(trainer._store), program.constants,
                                      feeds).compile().as_text()
     expected = _counts(_hand_written_hlo(jnp.asarray(x), jnp.asarray(labels, jnp.int32)))
     # Conv: forward + kernel gradient; MatMul: forward + weight and input gradients; one softmax.
