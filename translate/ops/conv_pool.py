@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,21 +175,18 @@ def conv_by_taps(x: Any, w: Any, window: Window, group: int) -> Any:
     """A convolution with few input channels per group as a sum of products of shifted input
     slices and per-channel weights, which XLA fuses into one elementwise loop. Derivatives
     are the library convolution's (see conv_by_taps_jvp), which is fast for those."""
-    padded = lax.pad(x, np.array(0, x.dtype), ((0, 0, 0), (0, 0, 0)) + tuple(
-        (low, high, 0) for low, high in window.pads))
     outputs = window.output_sizes(x.shape[2:])
     out_channels, per_group = w.shape[0], w.shape[1]
-    # Output channel o reads input channel (o // (out_channels // group)) * per_group + c.
+    # Output channel o reads input channel (o // (out_channels // group)) * per_group + c;
+    # None where that is simply channel o.
     first_input = (np.arange(out_channels) // (out_channels // group)) * per_group
+    inputs = [None if np.array_equal(first_input + c, np.arange(x.shape[1])) else first_input + c
+              for c in range(per_group)]
     spatial = (None,) * len(outputs)
     total = None
-    for position in itertools.product(*(range(k) for k in window.kernel)):
-        start = [p * d for p, d in zip(position, window.dilations)]
-        limit = [s + (n - 1) * stride + 1 for s, n, stride in zip(start, outputs, window.strides)]
-        tap = lax.slice(padded, (0, 0, *start), (*padded.shape[:2], *limit), (1, 1, *window.strides))
-        for channel in range(per_group):
-            inputs = first_input + channel
-            picked = tap if np.array_equal(inputs, np.arange(tap.shape[1])) else jnp.take(tap, inputs, axis=1)
+    for position, tap in window_taps(x, window, outputs, 0):
+        for channel, picks in enumerate(inputs):
+            picked = tap if picks is None else jnp.take(tap, picks, axis=1)
             term = picked * w[(slice(None), channel, *position)][(None, slice(None), *spatial)]
             total = term if total is None else total + term
     return total
@@ -428,17 +425,21 @@ def max_of_strided_slices(x: Any, window: Window, outputs: Sequence[int]) -> Any
     return pieces[0]
 
 
-def window_patches(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Any:
-    """Every window's elements stacked in front: (prod(kernel), N, C, *outputs), padding = fill."""
+def window_taps(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Iterator[tuple[tuple[int, ...], Any]]:
+    """(kernel position, the input element at that position of every window: (N, C, *outputs))
+    for each kernel position in row-major order; padding = fill."""
     padded = lax.pad(x, np.array(fill, x.dtype), ((0, 0, 0), (0, 0, 0)) + tuple(
         (low, high, 0) for low, high in window.pads))
-    patches = []
     for position in itertools.product(*(range(k) for k in window.kernel)):
         start = [p * d for p, d in zip(position, window.dilations)]
         limit = [s + (n - 1) * stride + 1 for s, n, stride in zip(start, outputs, window.strides)]
-        patches.append(lax.slice(padded, (0, 0) + tuple(start), tuple(x.shape[:2]) + tuple(limit),
-                                 (1, 1) + window.strides))
-    return jnp.stack(patches)
+        yield position, lax.slice(padded, (0, 0) + tuple(start), tuple(x.shape[:2]) + tuple(limit),
+                                  (1, 1) + window.strides)
+
+
+def window_patches(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Any:
+    """Every window's elements stacked in front: (prod(kernel), N, C, *outputs), padding = fill."""
+    return jnp.stack([tap for _, tap in window_taps(x, window, outputs, fill)])
 
 
 def window_inputs(window: Window, outputs: Sequence[int], axis: int) -> np.ndarray:
