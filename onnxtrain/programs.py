@@ -25,10 +25,10 @@ from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore
 from onnxtrain.training import combined_graph, light_graph, model_of
-from onnxtrain.translate.graph import initializer_names
-from onnxtrain.translate.graph import draws_random
+from onnxtrain.translate.graph import any_node, draws_random, initializer_names
 from onnxtrain.translate.model import TranslatedModel, static_input_names
-from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.node import NodeSpec
+from onnxtrain.translate.registry import DEFAULT_DOMAIN, normalize_domain
 from onnxtrain.translate.values import NeedsHostValues, to_host
 
 logger = logging.getLogger("onnxtrain")
@@ -118,6 +118,17 @@ class InitializationProgram(_Program):
 
 NAN_POLICIES = ("raise", "skip", "ignore")
 
+# XLA:CPU runs convolutions inside a while loop 5-10x slower than outside one (the benchmark
+# CNN, hand-written JAX alike), so a scan over steps of a graph with one is unrolled. Other
+# graphs keep the loop: as fast on dense models, and the unrolled program costs 2.5-3x the
+# compile time and ~100-300 MB more peak memory compiling (benchmark MLP and transformer).
+_UNROLLED_SCAN_OPS = frozenset({"Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "DeformConv",
+                                "CausalConvWithState"})
+
+
+def _unrolls_scan(spec: NodeSpec) -> bool:
+    return normalize_domain(spec.proto.domain) == DEFAULT_DOMAIN and spec.proto.op_type in _UNROLLED_SCAN_OPS
+
 
 class StepProgram(_Program):
     """The main graph ⊕ training_info[i].algorithm as one donated, jitted step.
@@ -144,6 +155,7 @@ class StepProgram(_Program):
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
         # Only graphs with random ops advance the key: a split costs a loop in every step.
         self.random = draws_random(self.translated.plan)
+        self.unroll = any_node(self.translated.plan, _unrolls_scan)
         self.watched: list[str] = []
         self._spare: dict[str, jax.Array] = {}
         self._jitted = (jax.jit(self._step, donate_argnums=0) if nan_policy == "ignore"
@@ -223,10 +235,8 @@ class StepProgram(_Program):
                 accepting = jnp.logical_and(accepting, ~jnp.any(faults))
             return (state, key, accepting), (outputs, faults)
 
-        # Unrolled: XLA:CPU runs convolutions inside a while loop 5-10x slower than the same
-        # step outside one (measured on the benchmark CNN, hand-written JAX alike).
         (state, key, _), (outputs, faults) = jax.lax.scan(body, (state, key, jnp.asarray(True)), stacked,
-                                                          unroll=True)
+                                                          unroll=self.unroll)
         return self.placement.constrain_state(state), key, outputs, faults
 
     def _key(self, store: StateStore) -> jax.Array | None:

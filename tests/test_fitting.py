@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -82,3 +83,43 @@ def test_steps_per_call_runs_the_same_steps_in_fewer_compiled_calls():
     for name in one.state_names:
         np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
     assert scanned._steps[0]._scanned._cache_size() == 1   # every run of 4 shares one program
+
+
+def _conv_training_model():
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnxtrain
+
+    rng = np.random.default_rng(2)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Tanh", ["c"], ["t"]),
+         helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])], "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(rng.normal(size=(2, 3, 3, 3)).astype(np.float32), "C"),
+         numpy_helper.from_array(rng.normal(size=(32, 3)).astype(np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.Adam(lr=0.01))
+
+
+@pytest.mark.parametrize("convolves", [False, True])
+def test_scanned_steps_loop_on_the_device_unless_the_graph_convolves(convolves):
+    """A dense model's K steps are one while loop (a short compile); a model with a convolution
+    gets them unrolled, since XLA:CPU convolves slowly inside loops. Same steps either way."""
+    import onnxtrain
+
+    rng = np.random.default_rng(3)
+    shape = (6, 3, 4, 4) if convolves else (6, 5)
+    batches = [{"x": rng.normal(size=shape).astype(np.float32), "labels": rng.integers(0, 3, 6).astype(np.int64)}
+               for _ in range(4)]
+    model = _conv_training_model() if convolves else _mlp_training_model()
+    one, scanned = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    losses = [float(one.step(batch)["loss"]) for batch in batches]
+    np.testing.assert_allclose(scanned.fit(batches, progress=False, steps_per_call=4)["loss"], losses, rtol=1e-5)
+    for name in one.state_names:
+        np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
+    program, store = scanned._steps[0], scanned._store
+    stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
+    with jax.enable_x64(True):
+        lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked).as_text()
+    assert ("stablehlo.while" in lowered) is not convolves

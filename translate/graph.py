@@ -272,10 +272,14 @@ def free_names(plan: GraphPlan) -> set[str]:
     return free | (set(plan.outputs) - defined)
 
 
-def draws_random(plan: GraphPlan) -> bool:
-    """True when the plan or any graph nested in it has a random op."""
-    return any(spec.random or any(draws_random(sub) for sub in spec.subgraphs.values())
+def any_node(plan: GraphPlan, test: Callable[[NodeSpec], bool]) -> bool:
+    """True when `test` holds for a node of the plan or of any graph or function body nested in it."""
+    return any(test(spec) or any(any_node(sub, test) for sub in spec.subgraphs.values())
                for spec in plan.nodes)
+
+
+def draws_random(plan: GraphPlan) -> bool:
+    return any_node(plan, lambda spec: spec.random)
 
 
 def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, Any],
