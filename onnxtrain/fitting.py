@@ -27,7 +27,11 @@ def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
 
 
 class Stacked(dict):
-    """Outputs of several steps stacked along a first axis (from one compiled call)."""
+    """Outputs of several steps stacked along a first axis (from one compiled call).
+    `settle`, when set, acts on the call's NaN/Inf faults (StepProgram.run_many): call it
+    before using the values."""
+
+    settle: Callable[[], None] | None = None
 
 
 def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -96,8 +100,9 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
-    (see per_step_scalars). Values come back to the host one chunk late, so the device is never
-    left waiting for a progress-bar update.
+    (see per_step_scalars). Values come back to the host one chunk late, and so do the NaN/Inf
+    checks of Stacked parts (their `settle`), so the host prepares the next chunk while the
+    device computes this one, never waiting for a progress-bar update.
     """
     from tqdm.auto import tqdm
 
@@ -117,6 +122,9 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         epoch_values: dict[str, list[float]] = {}
 
         def record(outputs: Any) -> None:
+            for part in outputs:
+                if isinstance(part, Stacked) and part.settle is not None:
+                    part.settle()
             for step in per_step_scalars(outputs):
                 for name, value in step.items():
                     history.setdefault(name, []).append(value)

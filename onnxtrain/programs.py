@@ -11,6 +11,7 @@ arguments, never baked-in constants, so changing them never recompiles.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
+from onnxtrain.fitting import Stacked
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore
@@ -158,6 +160,11 @@ class StepProgram(_Program):
         self.unroll = any_node(self.translated.plan, _unrolls_scan)
         self.watched: list[str] = []
         self._spare: dict[str, jax.Array] = {}
+        # Scanned calls whose faults the host has not read yet (see run_many), oldest first,
+        # and the flag the next scanned call starts from: False after a fault among them.
+        self._unsettled: list[tuple[int, jax.Array]] = []
+        self._calls = itertools.count()
+        self._accepting = placement.replicate(jnp.asarray(True))
         self._jitted = (jax.jit(self._step, donate_argnums=0) if nan_policy == "ignore"
                         else jax.jit(self._checked_step, donate_argnums=1, keep_unused=True))
         self._dry_run = jax.jit(self._step)
@@ -225,9 +232,10 @@ class StepProgram(_Program):
         return {**old, **updates}, key, outputs, faults
 
     def _steps(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
-               stacked: dict[str, Any]) -> tuple:
+               stacked: dict[str, Any], accepting: jax.Array) -> tuple:
         """One step per leading-axis slice of `stacked`, in order, as one lax.scan. Under
-        "raise", every step after a faulty one is a no-op, so the state is the last good one."""
+        "raise", every step after a faulty one is a no-op, so the state is the last good one;
+        `accepting` False (an earlier call's fault) makes them all no-ops."""
         def body(carry, feeds):
             state, key, accepting = carry
             state, key, outputs, faults = self._step(state, key, constants, feeds, accepting)
@@ -235,9 +243,9 @@ class StepProgram(_Program):
                 accepting = jnp.logical_and(accepting, ~jnp.any(faults))
             return (state, key, accepting), (outputs, faults)
 
-        (state, key, _), (outputs, faults) = jax.lax.scan(body, (state, key, jnp.asarray(True)), stacked,
-                                                          unroll=self.unroll)
-        return self.placement.constrain_state(state), key, outputs, faults
+        (state, key, accepting), (outputs, faults) = jax.lax.scan(body, (state, key, accepting), stacked,
+                                                                  unroll=self.unroll)
+        return self.placement.constrain_state(state), key, outputs, faults, accepting
 
     def _key(self, store: StateStore) -> jax.Array | None:
         """The key a compiled step takes: none unless the graph draws random numbers, since
@@ -246,46 +254,77 @@ class StepProgram(_Program):
         committing None keeps the store's key."""
         return store.key if self.random else None
 
-    def _settle(self, store: StateStore, state: dict, key: jax.Array | None, faults: Any, step: str) -> None:
-        """Commit a step's result, then act on its faults as the policy says. Nothing watched
-        (nan_policy "ignore") means no transfer, so the host never waits for the device."""
-        if faults is None or np.size(faults) == 0:
-            store.commit(state, key)
-            return
-        faults = np.asarray(faults)
-        if not faults.any():
-            store.commit(state, key)
-            return
+    def _report(self, faults: np.ndarray, step: str, steps_in_call: int = 1) -> None:
+        """Act on faults (a row of flags per step, at least one set) as the policy says."""
         rows = faults.reshape(-1, len(self.watched))
         first = int(np.argmax(rows.any(axis=1)))
         names = [name for name, bad in zip(self.watched, rows[first]) if bad]
-        where = f"{self.where} {step}" + (f" (step {first} of this call)" if len(rows) > 1 else "")
+        where = f"{self.where} {step}"
+        if steps_in_call > 1:
+            where += f" (step {first} of a {steps_in_call}-step call)"
         if self.nan_policy == "skip":
             logger.warning("%s produced NaN/Inf in %s; skipped, state unchanged", where, names)
-            store.commit(state, key)
             return
-        store.commit(state, key if len(rows) > 1 else None)
         raise NumericError(f"{where} produced NaN or Inf in {names}; the state keeps its last good "
                            "values. Lower the learning rate, check the data, or pass "
                            "nan_policy='skip' to skip such steps.")
 
-    def run_many(self, store: StateStore, stacked: dict[str, Any]) -> dict[str, Any]:
+    def _settle(self, store: StateStore, state: dict, key: jax.Array | None, faults: Any, step: str) -> None:
+        """Commit a single step's result, then act on its faults as the policy says. Nothing
+        watched (nan_policy "ignore") means no transfer, so the host never waits for the device.
+        A step that "raise" refuses keeps the key too: retrying it draws the same numbers."""
+        faults = None if faults is None else np.asarray(faults)
+        if faults is None or not faults.any():
+            store.commit(state, key)
+            return
+        store.commit(state, key if self.nan_policy == "skip" else None)
+        self._report(faults, step)
+
+    def settle(self, through: int | None = None) -> None:
+        """Act on the faults of scanned calls run with settle_later, oldest first, up to call
+        number `through` (every one by default); the host waits for those calls here. After a
+        fault under "raise" the later calls were no-ops: they are dropped with it."""
+        while self._unsettled and (through is None or self._unsettled[0][0] <= through):
+            _, faults = self._unsettled.pop(0)
+            faults = np.asarray(faults)
+            if faults.any():
+                self._unsettled.clear()
+                self._accepting = self.placement.replicate(jnp.asarray(True))
+                self._report(faults, "step", steps_in_call=len(faults))
+
+    def run_many(self, store: StateStore, stacked: dict[str, Any], settle_later: bool = False) -> Stacked:
         """len(stacked) steps in one compiled call; the outputs stacked along a new first axis.
-        Falls back to step by step for graphs that cannot be traced."""
+
+        settle_later: return without waiting for the device, leaving the call's faults to
+        the returned outputs' `settle` (or the next step, which settles first). Until then the
+        next scanned call runs only if this one had no fault ("raise"), on the device, so the
+        state is the last good one either way, and the host prepares the next call while the
+        device computes this one. Falls back to step by step for graphs that cannot be traced.
+        """
         with jax.enable_x64(True):
             try:
-                state, key, outputs, faults = self._scanned(store.values, self._key(store), self.constants, stacked)
+                state, key, outputs, faults, self._accepting = self._scanned(
+                    store.values, self._key(store), self.constants, stacked, self._accepting)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
                 count = len(next(iter(stacked.values())))
                 steps = [self.run(store, {n: v[i] for n, v in stacked.items()}) for i in range(count)]
-                return {name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned}
-        self._settle(store, state, key, faults, "step")
-        return outputs
+                return Stacked({name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned})
+        store.commit(state, key)
+        result = Stacked(outputs)
+        if faults is not None:
+            number = next(self._calls)
+            self._unsettled.append((number, faults))
+            result.settle = lambda: self.settle(through=number)
+        if not settle_later:
+            self.settle()
+        return result
 
     def run(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
-        """One step: new state committed to `store`; the unbound outputs returned."""
+        """One step: new state committed to `store`; the unbound outputs returned. Faults of
+        earlier scanned calls are acted on first."""
+        self.settle()
         with jax.enable_x64(True):
             try:
                 state, key, outputs, faults = (

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
-from onnxtrain.fitting import Batches, Callback, Stacked, fit, same_signature_runs, stack
+from onnxtrain.fitting import Batches, Callback, fit, same_signature_runs, stack
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
@@ -206,16 +206,23 @@ class Trainer:
         steps_per_call: run this many consecutive same-shaped batches per compiled call
         (a lax.scan on the device), saving the per-step dispatch.
         """
-        return fit(lambda chunk: self.run_steps(chunk, algorithm), batches, epochs, progress, callbacks,
-                   lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
+        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
+                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
 
     def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
         """One step per batch; each run of same-shaped batches is one compiled call whose
         outputs come back Stacked. Every feed is checked before any step runs."""
+        return self._run_steps(batches, algorithm)
+
+    def _run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0,
+                   settle_later: bool = False) -> list[Mapping[str, Any]]:
+        """run_steps; settle_later leaves the NaN/Inf checks of scanned calls to the caller
+        (see StepProgram.run_many)."""
         program = self._step_program(algorithm)
         place = self._placement
         checked = [place.check_batch(program.check_feeds(feeds), program.where) for feeds in batches]
-        return [Stacked(program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True)))
+        return [program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True),
+                                 settle_later)
                 if len(run) > 1 else program.run(self._store, place.place_batch(run[0], program.where))
                 for run in same_signature_runs(checked)]
 

@@ -121,5 +121,6 @@ def test_scanned_steps_loop_on_the_device_unless_the_graph_convolves(convolves):
     program, store = scanned._steps[0], scanned._store
     stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
     with jax.enable_x64(True):
-        lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked).as_text()
+        lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked,
+                                         program._accepting).as_text()
     assert ("stablehlo.while" in lowered) is not convolves

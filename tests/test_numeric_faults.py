@@ -106,10 +106,43 @@ def test_ignore_applies_the_faulty_step():
 def test_a_faulty_step_inside_a_scanned_chunk_stops_at_the_last_good_state():
     scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
     batches = [_batch(), _batch(), BAD, _batch()]
-    with pytest.raises(NumericError, match=r"step 2 of this call"):
+    with pytest.raises(NumericError, match=r"step 2 of a 4-step call"):
         scanned.fit(batches, progress=False, steps_per_call=4)
     for feeds in batches[:2]:
         reference.step(feeds)
+    _assert_same(_state(scanned), _state(reference))
+
+
+def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one():
+    """fit dispatches the next chunk before reading the last one's faults; that chunk must
+    then change nothing, and the error still names the faulty step."""
+    scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
+    batches = [_batch() for _ in range(5)] + [BAD] + [_batch() for _ in range(6)]
+    with pytest.raises(NumericError, match=r"step 1 of a 4-step call"):
+        scanned.fit(batches, progress=False, steps_per_call=4)
+    for feeds in batches[:5]:
+        reference.step(feeds)
+    _assert_same(_state(scanned), _state(reference))
+    good = _batch()
+    scanned.fit([good, good], progress=False, steps_per_call=2)
+    reference.fit([good, good], progress=False, steps_per_call=2)
+    _assert_same(_state(scanned), _state(reference))
+
+
+def test_a_fault_left_unread_by_an_interrupted_fit_is_reported_by_the_next_step():
+    scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
+    malformed = {"x": np.zeros((4, 5), np.float32), "labels": np.zeros((4, 2), np.float32)}
+    batches = [_batch(), BAD, _batch(), _batch(), malformed]
+    with pytest.raises(onnxtrain.InputError):
+        scanned.fit(batches, progress=False, steps_per_call=4)
+    reference.step(batches[0])
+    _assert_same(_state(scanned), _state(reference))
+    good = _batch()
+    with pytest.raises(NumericError, match=r"step 1 of a 4-step call"):
+        scanned.step(good)
+    _assert_same(_state(scanned), _state(reference))
+    scanned.step(good)
+    reference.step(good)
     _assert_same(_state(scanned), _state(reference))
 
 
