@@ -204,7 +204,9 @@ class Trainer:
         computed from the current state, without updating it, after every epoch.
         callbacks: callback(epoch, logs) after every epoch; returning True stops training.
         steps_per_call: run this many consecutive same-shaped batches per compiled call
-        (a lax.scan on the device), saving the per-step dispatch.
+        (a lax.scan on the device; for graphs with convolutions, as many single-step calls
+        back to back), saving the per-step dispatch; their values and NaN/Inf checks are
+        read back a chunk later, while the device runs the next chunk.
         """
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
                    progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)

@@ -103,9 +103,9 @@ def _conv_training_model():
 
 
 @pytest.mark.parametrize("convolves", [False, True])
-def test_scanned_steps_loop_on_the_device_unless_the_graph_convolves(convolves):
-    """A dense model's K steps are one while loop (a short compile); a model with a convolution
-    gets them unrolled, since XLA:CPU convolves slowly inside loops. Same steps either way."""
+def test_steps_per_call_loop_on_the_device_unless_the_graph_convolves(convolves):
+    """A dense model's K steps are one while loop; a model with a convolution, which XLA:CPU
+    runs slowly inside loops, gets K single-step calls instead. Same steps either way."""
     import onnxtrain
 
     rng = np.random.default_rng(3)
@@ -113,14 +113,16 @@ def test_scanned_steps_loop_on_the_device_unless_the_graph_convolves(convolves):
     batches = [{"x": rng.normal(size=shape).astype(np.float32), "labels": rng.integers(0, 3, 6).astype(np.int64)}
                for _ in range(4)]
     model = _conv_training_model() if convolves else _mlp_training_model()
-    one, scanned = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    one, chunked = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
     losses = [float(one.step(batch)["loss"]) for batch in batches]
-    np.testing.assert_allclose(scanned.fit(batches, progress=False, steps_per_call=4)["loss"], losses, rtol=1e-5)
+    np.testing.assert_allclose(chunked.fit(batches, progress=False, steps_per_call=4)["loss"], losses, rtol=1e-5)
     for name in one.state_names:
-        np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
-    program, store = scanned._steps[0], scanned._store
-    stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
-    with jax.enable_x64(True):
-        lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked,
-                                         program._accepting).as_text()
-    assert ("stablehlo.while" in lowered) is not convolves
+        np.testing.assert_allclose(chunked.state[name], one.state[name], rtol=1e-4, atol=1e-6)
+    program, store = chunked._steps[0], chunked._store
+    assert (program._scanned._cache_size(), program._link._cache_size()) == ((0, 1) if convolves else (1, 0))
+    if not convolves:
+        stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
+        with jax.enable_x64(True):
+            lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked,
+                                             program._accepting).as_text()
+        assert "stablehlo.while" in lowered

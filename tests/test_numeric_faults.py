@@ -27,11 +27,23 @@ def _model():
     return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.1))
 
 
-def _batch(bad: bool = False):
+def _conv_model():
+    """A 1-D convolution: fit runs its chunks as single-step calls, not one scan."""
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "K"], ["y"])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 1])],
+        [numpy_helper.from_array(RNG.normal(size=(2, 3, 1)).astype(np.float32), "K")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.1))
+
+
+def _batch(bad: bool = False, conv: bool = False):
     x = RNG.normal(size=(4, 3)).astype(np.float32)
     if bad:
         x[1, 2] = np.nan
-    return {"x": x, "labels": RNG.normal(size=(4, 2)).astype(np.float32)}
+    labels = RNG.normal(size=(4, 2)).astype(np.float32)
+    return {"x": x[..., None], "labels": labels[..., None]} if conv else {"x": x, "labels": labels}
 
 
 def _state(trainer):
@@ -46,6 +58,7 @@ def _assert_same(a, b):
 
 MODEL = _model()
 GOOD, BAD = _batch(), _batch(bad=True)
+CHUNKED = {"scanned": (MODEL, False), "chained": (_conv_model(), True)}
 
 
 def test_raise_names_the_values_and_keeps_the_state():
@@ -103,9 +116,11 @@ def test_ignore_applies_the_faulty_step():
     assert np.isnan(np.asarray(trainer.state["W"])).any()
 
 
-def test_a_faulty_step_inside_a_scanned_chunk_stops_at_the_last_good_state():
-    scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
-    batches = [_batch(), _batch(), BAD, _batch()]
+@pytest.mark.parametrize("chunks", CHUNKED)
+def test_a_faulty_step_inside_a_chunk_stops_at_the_last_good_state(chunks):
+    model, conv = CHUNKED[chunks]
+    scanned, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    batches = [_batch(conv=conv), _batch(conv=conv), _batch(bad=True, conv=conv), _batch(conv=conv)]
     with pytest.raises(NumericError, match=r"step 2 of a 4-step call"):
         scanned.fit(batches, progress=False, steps_per_call=4)
     for feeds in batches[:2]:
@@ -113,17 +128,20 @@ def test_a_faulty_step_inside_a_scanned_chunk_stops_at_the_last_good_state():
     _assert_same(_state(scanned), _state(reference))
 
 
-def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one():
+@pytest.mark.parametrize("chunks", CHUNKED)
+def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one(chunks):
     """fit dispatches the next chunk before reading the last one's faults; that chunk must
     then change nothing, and the error still names the faulty step."""
-    scanned, reference = onnxtrain.Trainer(MODEL), onnxtrain.Trainer(MODEL)
-    batches = [_batch() for _ in range(5)] + [BAD] + [_batch() for _ in range(6)]
+    model, conv = CHUNKED[chunks]
+    scanned, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    batches = ([_batch(conv=conv) for _ in range(5)] + [_batch(bad=True, conv=conv)]
+               + [_batch(conv=conv) for _ in range(6)])
     with pytest.raises(NumericError, match=r"step 1 of a 4-step call"):
         scanned.fit(batches, progress=False, steps_per_call=4)
     for feeds in batches[:5]:
         reference.step(feeds)
     _assert_same(_state(scanned), _state(reference))
-    good = _batch()
+    good = _batch(conv=conv)
     scanned.fit([good, good], progress=False, steps_per_call=2)
     reference.fit([good, good], progress=False, steps_per_call=2)
     _assert_same(_state(scanned), _state(reference))
