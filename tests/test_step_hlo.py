@@ -18,9 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxtrain
 
 RNG = np.random.default_rng(0)
-# Three channels and a 5x5 kernel: a 1-channel conv would run as shifted slices, and a 3x3
-# one has its kernel gradient computed as a matrix product (conv_pool.uses_patch_gradient).
-WEIGHTS = {"C": RNG.normal(size=(4, 3, 5, 5)).astype(np.float32), "W": RNG.normal(size=(144, 5)).astype(np.float32)}
+# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op.
+WEIGHTS = {"C": RNG.normal(size=(4, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(144, 5)).astype(np.float32)}
 OPS = ("dot", "convolution", "exponential", "log")
 
 
@@ -30,7 +29,7 @@ def _counts(hlo: str) -> dict[str, int]:
 
 def _onnx_model():
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "C"], ["c"], pads=[2, 2, 2, 2]), helper.make_node("Tanh", ["c"], ["t"]),
+        [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Tanh", ["c"], ["t"]),
          helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])],
         "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
@@ -41,7 +40,7 @@ def _onnx_model():
 
 def _hand_written_hlo(x, labels) -> str:
     def loss(params):
-        c = jax.lax.conv_general_dilated(x, params["C"], (1, 1), [(2, 2), (2, 2)])
+        c = jax.lax.conv_general_dilated(x, params["C"], (1, 1), [(1, 1), (1, 1)])
         logits = jnp.tanh(c).reshape(len(x), -1) @ params["W"]
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
         return -jnp.mean(picked)

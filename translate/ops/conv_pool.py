@@ -174,7 +174,7 @@ def uses_taps(x: Any, w: Any, window: Window) -> bool:
 def conv_by_taps(x: Any, w: Any, window: Window, group: int) -> Any:
     """A convolution with few input channels per group as a sum of products of shifted input
     slices and per-channel weights, which XLA fuses into one elementwise loop. Derivatives
-    come from conv_jvp: library convolutions and products, which are fast for those."""
+    are the library convolution's (see conv_by_taps_jvp), which is fast for those."""
     outputs = window.output_sizes(x.shape[2:])
     out_channels, per_group = w.shape[0], w.shape[1]
     # Output channel o reads input channel (o // (out_channels // group)) * per_group + c;
@@ -192,71 +192,22 @@ def conv_by_taps(x: Any, w: Any, window: Window, group: int) -> Any:
     return total
 
 
-# Weight gradients as one matrix product of the input's windows (channels last, see
-# patch_product) instead of XLA:CPU's backward-filter convolution, where measured faster:
-# 1.1-3.3x for 1x1 and 3x3 kernels over 1 to 256 input channels and 28x28 to 7x7 images, but
-# 1.5-2.7x slower for 5x5 and 7x7 kernels over 3 channels. The windows are kept from the
-# forward pass to the backward one, 9x a 3x3 convolution's input, hence the cap on their size.
-PATCH_KERNEL_LIMIT = 9
-PATCH_BYTES_LIMIT = 16 * 2**20
-
-
-def uses_patch_gradient(x: Any, window: Window, group: int) -> bool:
-    windows = x.shape[0] * math.prod(window.output_sizes(x.shape[2:])) * x.shape[1] * math.prod(window.kernel)
-    return (group == 1 and jnp.result_type(x) in (jnp.float32, jnp.float64)
-            and math.prod(window.kernel) <= PATCH_KERNEL_LIMIT
-            and windows * jnp.dtype(jnp.result_type(x)).itemsize <= PATCH_BYTES_LIMIT)
-
-
-def patch_product(x: Any, w: Any, window: Window) -> Any:
-    """x (*) w (one group) as the product of a (windows, kernel positions x channels) matrix
-    of x's windows with w. Used for the x (*) dw term of a derivative: reverse mode runs its
-    transpose, the windows' transpose times the output gradient, as the weight gradient."""
-    outputs = window.output_sizes(x.shape[2:])
-    taps = [tap for _, tap in window_taps(jnp.moveaxis(x, 1, -1), window, outputs, 0, channels_last=True)]
-    windows = jnp.concatenate(taps, axis=-1).reshape(-1, len(taps) * x.shape[1])
-    # Materialized: XLA would otherwise fold the transpose into the product and run the
-    # gradient's product contracting the windows' first axis, a slow path on XLA:CPU.
-    windows_t = lax.optimization_barrier(windows.T)
-    kernel = jnp.moveaxis(w, (0, 1), (-1, -2)).reshape(-1, w.shape[0])
-    product = jnp.matmul(windows_t.T, kernel, precision=lax.Precision.HIGHEST)
-    return jnp.moveaxis(product.reshape(x.shape[0], *outputs, w.shape[0]), -1, 1)
-
-
-def conv_jvp(primal: Any, window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
-    """Convolution is bilinear: d(x * w) = dx * w + x * dw. The dx term is the library
-    convolution; the dw term too, or patch_product where that makes reverse mode's weight
-    gradient faster (uses_patch_gradient). A zero tangent (an input that is not
-    differentiated, such as the data) skips its term."""
+def conv_by_taps_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
+    """Convolution is bilinear: d(x * w) = dx * w + x * dw, each term by the library
+    convolution, whose transpose is what reverse mode runs. A zero tangent (an input
+    that is not differentiated, such as the data) skips its term."""
     x, w = primals
     dx, dw = tangents
     terms = []
     if not isinstance(dx, SymbolicZero):
         terms.append(library_conv(dx, w, window, group))
     if not isinstance(dw, SymbolicZero):
-        terms.append(patch_product(x, dw, window) if uses_patch_gradient(x, window, group)
-                     else library_conv(x, dw, window, group))
-    y = primal(x, w, window, group)
+        terms.append(library_conv(x, dw, window, group))
+    y = conv_by_taps(x, w, window, group)
     return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
 
 
-conv_by_taps.defjvp(functools.partial(conv_jvp, conv_by_taps), symbolic_zeros=True)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def conv_with_patch_gradient(x: Any, w: Any, window: Window, group: int) -> Any:
-    """The library convolution, differentiated by conv_jvp (its weight gradient by patches)."""
-    return library_conv(x, w, window, group)
-
-
-conv_with_patch_gradient.defjvp(functools.partial(conv_jvp, library_conv), symbolic_zeros=True)
-
-
-def lowering(x: Any, w: Any, window: Window, group: int) -> Any:
-    """The fastest of conv_by_taps, conv_with_patch_gradient and the library convolution."""
-    if uses_taps(x, w, window):
-        return conv_by_taps
-    return conv_with_patch_gradient if uses_patch_gradient(x, window, group) else library_conv
+conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
 
 
 @op("Conv", since=1)
@@ -267,7 +218,7 @@ def conv(node: Any, x: Any, w: Any, b: Any = None) -> Any:
     check_groups(node, x.shape[1], w.shape[1], group)
     window = window_of(node, x.shape[2:], kernel_from_weights(node, w))
     check_output_sizes(node, window.output_sizes(x.shape[2:]), x.shape[2:])
-    y = lowering(x, w, window, group)(x, w, window, group)
+    y = (conv_by_taps if uses_taps(x, w, window) else library_conv)(x, w, window, group)
     return y if b is None else y + bias_shaped(b, rank)
 
 
@@ -474,21 +425,16 @@ def max_of_strided_slices(x: Any, window: Window, outputs: Sequence[int]) -> Any
     return pieces[0]
 
 
-def window_taps(x: Any, window: Window, outputs: Sequence[int], fill: Any,
-                channels_last: bool = False) -> Iterator[tuple[tuple[int, ...], Any]]:
-    """(kernel position, the input element at that position of every window: (N, C, *outputs),
-    or (N, *outputs, C) for channels-last x) for each kernel position in row-major order;
-    padding = fill."""
-    lead, tail = (1, 1) if channels_last else (2, 0)
-    keep = ((0, 0, 0),)
-    padded = lax.pad(x, np.array(fill, x.dtype), keep * lead + tuple((low, high, 0) for low, high in window.pads)
-                     + keep * tail)
+def window_taps(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Iterator[tuple[tuple[int, ...], Any]]:
+    """(kernel position, the input element at that position of every window: (N, C, *outputs))
+    for each kernel position in row-major order; padding = fill."""
+    padded = lax.pad(x, np.array(fill, x.dtype), ((0, 0, 0), (0, 0, 0)) + tuple(
+        (low, high, 0) for low, high in window.pads))
     for position in itertools.product(*(range(k) for k in window.kernel)):
         start = [p * d for p, d in zip(position, window.dilations)]
         limit = [s + (n - 1) * stride + 1 for s, n, stride in zip(start, outputs, window.strides)]
-        yield position, lax.slice(padded, (0,) * lead + tuple(start) + (0,) * tail,
-                                  tuple(x.shape[:lead]) + tuple(limit) + tuple(x.shape[x.ndim - tail:]),
-                                  (1,) * lead + window.strides + (1,) * tail)
+        yield position, lax.slice(padded, (0, 0) + tuple(start), tuple(x.shape[:2]) + tuple(limit),
+                                  (1, 1) + window.strides)
 
 
 def window_patches(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Any:
