@@ -164,7 +164,7 @@ class StepProgram(_Program):
         # and the flag the next scanned call starts from: False after a fault among them.
         self._unsettled: list[tuple[int, jax.Array]] = []
         self._calls = itertools.count()
-        self._accepting = placement.replicate(jnp.asarray(True))
+        self._accepting = self._accepting_flag()
         self._jitted = (jax.jit(self._step, donate_argnums=0) if nan_policy == "ignore"
                         else jax.jit(self._checked_step, donate_argnums=1, keep_unused=True))
         self._dry_run = jax.jit(self._step)
@@ -298,6 +298,10 @@ class StepProgram(_Program):
         store.commit(state, key if self.nan_policy == "skip" else None)
         self._report(faults, step)
 
+    def _accepting_flag(self) -> jax.Array:
+        """The flag a chain of scanned calls starts from: no fault yet."""
+        return self.placement.replicate(jnp.asarray(True))
+
     def settle(self, through: int | None = None) -> None:
         """Act on the faults of scanned calls run with settle_later, oldest first, up to call
         number `through` (every one by default); the host waits for those calls here. After a
@@ -307,7 +311,7 @@ class StepProgram(_Program):
             faults = np.asarray(faults)
             if faults.any():
                 self._unsettled.clear()
-                self._accepting = self.placement.replicate(jnp.asarray(True))
+                self._accepting = self._accepting_flag()
                 self._report(faults, "step", steps_in_call=len(faults))
 
     def run_many(self, store: StateStore, stacked: dict[str, Any], settle_later: bool = False) -> Stacked:
