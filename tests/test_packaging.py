@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.parser
 import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -21,12 +22,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_DEPENDENCIES = {"jax", "jaxlib", "protobuf", "optax", "numpy", "tqdm"}
 
 
+def _build_sources(target: Path) -> Path:
+    """A copy of the checkout without its virtual environments, git data and build output.
+    setuptools writes build/ and *.egg-info into the tree it builds, and under pytest-xdist
+    every worker that runs a test here builds its own wheel, so two builds of the checkout
+    itself would race (and leave files in it)."""
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
+    return target
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    sources = _build_sources(tmp_path_factory.mktemp("checkout") / "onnxtrain")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(sources)],
         check=True, capture_output=True,
     )
     (built,) = out.glob("onnxtrain-*.whl")
