@@ -28,7 +28,7 @@ def _build_sources(target: Path) -> Path:
     every worker that runs a test here builds its own wheel, so two builds of the checkout
     itself would race (and leave files in it)."""
     shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
     return target
 
 
