@@ -85,6 +85,12 @@ def stack(run: Sequence[Feeds]) -> dict[str, Any]:
     return {name: (np.stack if on_host else jnp.stack)([feeds[name] for feeds in run]) for name in run[0]}
 
 
+def unstack(stacked: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """stack's inverse: the per-step feeds of feeds stacked along a first axis."""
+    count = len(next(iter(stacked.values())))
+    return [{name: value[index] for name, value in stacked.items()} for index in range(count)]
+
+
 def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches) -> dict[str, float]:
     totals: dict[str, list[float]] = {}
     for feeds in _epoch_batches(batches):

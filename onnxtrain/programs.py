@@ -22,7 +22,7 @@ import numpy as np
 
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
-from onnxtrain.fitting import Stacked
+from onnxtrain.fitting import Stacked, unstack
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore
@@ -270,8 +270,7 @@ class StepProgram(_Program):
         """What _steps returns, from one call per step (see _LOOP_AVERSE_OPS), dispatched back
         to back; the store follows every call, so it never holds a donated buffer."""
         key, accepting, results = self._key(store), self._accepting, []
-        for index in range(len(next(iter(stacked.values())))):
-            feeds = {name: value[index] for name, value in stacked.items()}
+        for feeds in unstack(stacked):
             state, key, outputs, faults, accepting = self._link(store.values, key, self.constants, feeds, accepting)
             store.commit(state, key)
             results.append((outputs, faults))
@@ -344,8 +343,7 @@ class StepProgram(_Program):
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
-                count = len(next(iter(stacked.values())))
-                steps = [self.run(store, {n: v[i] for n, v in stacked.items()}) for i in range(count)]
+                steps = [self.run(store, feeds) for feeds in unstack(stacked)]
                 return Stacked({name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned})
         store.commit(state, key)
         result = Stacked(outputs)
