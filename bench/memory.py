@@ -7,9 +7,12 @@ one process and saved with external data; a fresh process then loads it into a
 Trainer and takes 3 steps (batch 64), reporting its peak RSS (VmHWM) against
 the process's own baseline after importing onnxtrain, once per nan_policy:
 "ignore" updates the state in place; "raise" (the default) keeps the step
-transactional (a NaN/Inf anywhere leaves the old state), which needs the new
-values computed in full before any is written. Takes ~1 minute and ~0.5 GB of
-disk space in a temporary folder.
+transactional (a NaN/Inf anywhere leaves the old state), so nothing may be
+written before every new value is known to be finite. For a state this large it
+holds the gradients until then and recomputes the optimizer's update in place,
+so it peaks at least at the state plus the gradients: 4/3 of the state with
+Adam, above the target. Takes ~1 minute and ~0.5 GB of disk space in a
+temporary folder.
 
 Usage: python bench/memory.py [--layers 10] [--width 3162]
 """

@@ -1,6 +1,8 @@
 """nan_policy: a step producing NaN/Inf raises (or is skipped) and the state keeps its last good values.
 
-Oracle: the same model stepped only on the good batches, compared bit for bit.
+Oracle: the same model stepped only on the good batches, compared bit for bit. Single checked
+steps run both ways a StepProgram has: double-buffered (small states) and check-then-update
+(large states; forced here by lowering the threshold).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+import onnxtrain.programs
 from onnxtrain import NumericError
 
 RNG = np.random.default_rng(0)
@@ -56,12 +59,19 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.fixture(params=["double-buffered", "check-then-update"])
+def strategy(request, monkeypatch):
+    if request.param == "check-then-update":
+        monkeypatch.setattr(onnxtrain.programs, "LEAN_CHECK_BYTES", 0)
+    return request.param
+
+
 MODEL = _model()
 GOOD, BAD = _batch(), _batch(bad=True)
 CHUNKED = {"scanned": (MODEL, False), "chained": (_conv_model(), True)}
 
 
-def test_raise_names_the_values_and_keeps_the_state():
+def test_raise_names_the_values_and_keeps_the_state(strategy):
     trainer = onnxtrain.Trainer(MODEL)
     trainer.step(GOOD)
     before = _state(trainer)
@@ -72,7 +82,7 @@ def test_raise_names_the_values_and_keeps_the_state():
     assert np.isfinite(np.asarray(trainer.state["W"])).all()
 
 
-def test_skip_logs_and_goes_on(caplog):
+def test_skip_logs_and_goes_on(caplog, strategy):
     skipping, reference = onnxtrain.Trainer(MODEL, nan_policy="skip"), onnxtrain.Trainer(MODEL)
     with caplog.at_level(logging.WARNING, logger="onnxtrain"):
         for feeds in (GOOD, BAD, GOOD):
@@ -83,7 +93,7 @@ def test_skip_logs_and_goes_on(caplog):
     assert "skipped, state unchanged" in caplog.text
 
 
-def test_inf_without_nan_is_caught_too():
+def test_inf_without_nan_is_caught_too(strategy):
     huge = {"x": np.full((4, 3), 1e20, np.float32), "labels": np.zeros((4, 2), np.float32)}
     unchecked = onnxtrain.Trainer(MODEL, nan_policy="ignore")
     unchecked.step(huge)
@@ -96,7 +106,7 @@ def test_inf_without_nan_is_caught_too():
     _assert_same(_state(checked), before)
 
 
-def test_checked_steps_recycle_buffers_without_mixing_values():
+def test_checked_steps_recycle_buffers_without_mixing_values(strategy):
     """Checked steps write into the buffers the step before replaced (or, after a fault,
     into the discarded result): many steps with faults in between must still equal plain
     in-place steps over the good batches, bit for bit."""
@@ -108,6 +118,7 @@ def test_checked_steps_recycle_buffers_without_mixing_values():
     for feeds in good:
         reference.step(feeds)
     _assert_same(_state(checked), _state(reference))
+    assert checked._steps[0]._lean is (strategy == "check-then-update")
 
 
 def test_ignore_applies_the_faulty_step():

@@ -14,7 +14,7 @@ how shape arithmetic folds away at trace time.
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,13 +285,24 @@ def draws_random(plan: GraphPlan) -> bool:
 def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, Any],
                   evaluation: Evaluation) -> list[Any]:
     """Evaluate a plan: bind inputs (in order), run the nodes, return the outputs."""
+    return plan_outputs(plan, evaluate_nodes(plan, range(len(plan.nodes)), inputs, outer, evaluation))
+
+
+def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any], outer: Mapping[str, Any],
+                   evaluation: Evaluation) -> ChainMap:
+    """Bind a plan's inputs (in order) and run the nodes at `indices` (in plan order); every
+    value then named. `outer` must hold whatever those nodes read that they do not produce."""
     local: dict[str, Any] = dict(plan.constants)
     for name, value in zip(plan.inputs, inputs):
         if name:
             local[name] = value
     scope = ChainMap(local, outer)
-    for spec in plan.nodes:
-        run_node(spec, scope, evaluation)
+    for index in indices:
+        run_node(plan.nodes[index], scope, evaluation)
+    return scope
+
+
+def plan_outputs(plan: GraphPlan, scope: Mapping[str, Any]) -> list[Any]:
     try:
         return [scope[name] for name in plan.outputs]
     except KeyError as missing:

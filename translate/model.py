@@ -11,6 +11,7 @@ instead, after one log line saying why.
 from __future__ import annotations
 
 import logging
+from collections import ChainMap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,7 +23,13 @@ from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
-from onnxtrain.translate.graph import Translator, evaluate_plan, initializer_names, iter_initializers
+from onnxtrain.translate.graph import (
+    Translator,
+    evaluate_nodes,
+    initializer_names,
+    iter_initializers,
+    plan_outputs,
+)
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.registry import normalize_domain, resolve
 from onnxtrain.translate.values import NeedsHostValues, to_host
@@ -125,9 +132,22 @@ class TranslatedModel:
     def apply(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
               key: jax.Array | None = None, eager: bool = False) -> dict[str, Any]:
         """The model's outputs; traceable (jit, grad, vmap) unless eager."""
-        evaluation = Evaluation(key, eager)
-        outputs = evaluate_plan(self.plan, self._input_values(params, inputs), params, evaluation)
-        return dict(zip(self.output_names, outputs))
+        return self.apply_keeping(params, inputs, key, (), eager)[0]
+
+    def apply_keeping(self, params: Mapping[str, Any], inputs: Mapping[str, Any], key: jax.Array | None,
+                      kept: Iterable[str], eager: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """apply's outputs, and the values of the `kept` names computed on the way (for a caller
+        that recomputes the last nodes from them: see apply_nodes)."""
+        scope = evaluate_nodes(self.plan, range(len(self.plan.nodes)), self._input_values(params, inputs),
+                               params, Evaluation(key, eager))
+        return dict(zip(self.output_names, plan_outputs(self.plan, scope))), {name: scope[name] for name in kept}
+
+    def apply_nodes(self, indices: Iterable[int], params: Mapping[str, Any], inputs: Mapping[str, Any],
+                    values: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Every value in scope after running only the plan's nodes at `indices`, given the
+        `values` of the intermediate names they read. The nodes must draw no random numbers."""
+        return evaluate_nodes(self.plan, indices, self._input_values(params, inputs), ChainMap(values, params),
+                              Evaluation(None, False))
 
     def _traced(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
                 key: jax.Array | None) -> dict[str, Any]:
