@@ -37,9 +37,10 @@ from onnxtrain.update_tail import update_tail
 logger = logging.getLogger("onnxtrain")
 # Outputs up to this many elements are copied to the host while a checked step is read.
 _PREFETCHED_ELEMENTS = 4096
-# A checked step whose bound state takes at least this many bytes checks, then recomputes the
-# update tail in place (StepProgram._check_then_update) instead of double-buffering the state.
-LEAN_CHECK_BYTES = 256 * 2**20
+# From this many bytes of bound state on, a checked step checks, then recomputes the update
+# tail in place (StepProgram._check_then_update) instead of double-buffering the state, and
+# run_many steps one call at a time instead of scanning (a scan holds the state twice).
+LARGE_STATE_BYTES = 256 * 2**20
 
 
 def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str) -> TranslatedModel:
@@ -163,7 +164,7 @@ class StepProgram(_Program):
     new state first, one more pass over every buffer. Scanned steps still select per step.
 
     The spare buffers are a second copy of the bound state, too much for a large model (a
-    100M-parameter Adam model peaked at 2.1x its state). From LEAN_CHECK_BYTES of bound state
+    100M-parameter Adam model peaked at 2.1x its state). From LARGE_STATE_BYTES of bound state
     on (on one device), a checked step runs as two programs instead: the first computes the
     step and checks it, keeping only what the update tail (see update_tail) reads, such as the
     gradients; if nothing is faulty, the second recomputes the tail into the donated state.
@@ -199,7 +200,7 @@ class StepProgram(_Program):
         given = {*plan.inputs, *plan.constants, *self.translated.params, *self.variables}
         # What the tail reads that only the graph computes (the gradients, typically).
         self._tail_inputs = [name for name in self.tail.reads if name not in given]
-        self._lean: bool | None = None
+        self._large: bool | None = None
         self._spare_tail_inputs: dict[str, jax.Array] | None = None
         self._check_pass = jax.jit(self._checked_tail_inputs, donate_argnums=1, keep_unused=True)
         self._update_pass = jax.jit(self._tail_update, donate_argnums=0)
@@ -286,13 +287,16 @@ class StepProgram(_Program):
                                     self.constants, feeds, kept)
         return {**old, **updates}, key, outputs, faults
 
+    def _large_state(self, store: StateStore) -> bool:
+        """Whether the bound state takes LARGE_STATE_BYTES or more (fixed at the first step)."""
+        if self._large is None:
+            self._large = sum(store.values[k].nbytes for k, _ in self.bindings) >= LARGE_STATE_BYTES
+        return self._large
+
     def _checked_run(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        if self._lean is None:
-            bound_bytes = sum(store.values[k].nbytes for k, _ in self.bindings)
-            # On a mesh the spare buffers would need the shardings XLA picks for the tail's inputs.
-            self._lean = (self.placement is DEFAULT_DEVICE and bool(self.tail.nodes)
-                          and bound_bytes >= LEAN_CHECK_BYTES)
-        return (self._check_then_update if self._lean else self._double_buffered)(store, feeds)
+        # On a mesh the spare buffers would need the shardings XLA picks for the tail's inputs.
+        lean = self._large_state(store) and self.placement is DEFAULT_DEVICE and bool(self.tail.nodes)
+        return (self._check_then_update if lean else self._double_buffered)(store, feeds)
 
     def _double_buffered(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
         """One checked step; returns the state to commit: the new one, or the old one after a
@@ -400,8 +404,11 @@ class StepProgram(_Program):
         the returned outputs' `settle` (or the next step, which settles first). Until then the
         next scanned call runs only if this one had no fault ("raise"), on the device, so the
         state is the last good one either way, and the host prepares the next call while the
-        device computes this one. Falls back to step by step for graphs that cannot be traced.
+        device computes this one. Runs step by step for graphs that cannot be traced, and for
+        large states (see LARGE_STATE_BYTES), whose steps are too long for dispatch to matter.
         """
+        if self._large_state(store):
+            return self._step_by_step(store, stacked)
         with jax.enable_x64(True):
             try:
                 state, key, outputs, faults, self._accepting = (
@@ -410,8 +417,7 @@ class StepProgram(_Program):
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
-                steps = [self.run(store, feeds) for feeds in unstack(stacked)]
-                return Stacked({name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned})
+                return self._step_by_step(store, stacked)
         store.commit(state, key)
         result = Stacked(outputs)
         if faults is not None:
@@ -422,9 +428,16 @@ class StepProgram(_Program):
             self.settle()
         return result
 
-    def run(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _step_by_step(self, store: StateStore, stacked: dict[str, Any]) -> Stacked:
+        """What run_many returns, one checked and committed run per step."""
+        batches = unstack(stacked)
+        steps = [self.run(store, feeds, f"step (step {number} of a {len(batches)}-step call)")
+                 for number, feeds in enumerate(batches)]
+        return Stacked({name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned})
+
+    def run(self, store: StateStore, feeds: dict[str, Any], step: str = "step") -> dict[str, Any]:
         """One step: new state committed to `store`; the unbound outputs returned. Faults of
-        earlier scanned calls are acted on first."""
+        earlier scanned calls are acted on first. `step` names the step in fault reports."""
         self.settle()
         with jax.enable_x64(True):
             try:
@@ -436,7 +449,7 @@ class StepProgram(_Program):
             except NeedsHostValues as reason:
                 logger.warning("%s runs op by op (no jit): %s", self.where, reason)
                 state, key, outputs, faults = self._eager_step(store, feeds)
-        self._settle(store, state, key, faults, "step")
+        self._settle(store, state, key, faults, step)
         return outputs
 
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:

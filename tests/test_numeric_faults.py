@@ -62,13 +62,22 @@ def _assert_same(a, b):
 @pytest.fixture(params=["double-buffered", "check-then-update"])
 def strategy(request, monkeypatch):
     if request.param == "check-then-update":
-        monkeypatch.setattr(onnxtrain.programs, "LEAN_CHECK_BYTES", 0)
+        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
     return request.param
 
 
 MODEL = _model()
 GOOD, BAD = _batch(), _batch(bad=True)
-CHUNKED = {"scanned": (MODEL, False), "chained": (_conv_model(), True)}
+# (model, convolves, large state: run_many steps one call at a time)
+CHUNKED = {"scanned": (MODEL, False, False), "chained": (_conv_model(), True, False),
+           "one by one": (MODEL, False, True)}
+
+
+def _chunked(chunks, monkeypatch):
+    model, conv, large = CHUNKED[chunks]
+    if large:
+        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
+    return model, conv
 
 
 def test_raise_names_the_values_and_keeps_the_state(strategy):
@@ -118,7 +127,7 @@ def test_checked_steps_recycle_buffers_without_mixing_values(strategy):
     for feeds in good:
         reference.step(feeds)
     _assert_same(_state(checked), _state(reference))
-    assert checked._steps[0]._lean is (strategy == "check-then-update")
+    assert checked._steps[0]._check_pass._cache_size() == (strategy == "check-then-update")
 
 
 def test_ignore_applies_the_faulty_step():
@@ -128,8 +137,8 @@ def test_ignore_applies_the_faulty_step():
 
 
 @pytest.mark.parametrize("chunks", CHUNKED)
-def test_a_faulty_step_inside_a_chunk_stops_at_the_last_good_state(chunks):
-    model, conv = CHUNKED[chunks]
+def test_a_faulty_step_inside_a_chunk_stops_at_the_last_good_state(chunks, monkeypatch):
+    model, conv = _chunked(chunks, monkeypatch)
     scanned, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
     batches = [_batch(conv=conv), _batch(conv=conv), _batch(bad=True, conv=conv), _batch(conv=conv)]
     with pytest.raises(NumericError, match=r"step 2 of a 4-step call"):
@@ -140,10 +149,10 @@ def test_a_faulty_step_inside_a_chunk_stops_at_the_last_good_state(chunks):
 
 
 @pytest.mark.parametrize("chunks", CHUNKED)
-def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one(chunks):
+def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one(chunks, monkeypatch):
     """fit dispatches the next chunk before reading the last one's faults; that chunk must
     then change nothing, and the error still names the faulty step."""
-    model, conv = CHUNKED[chunks]
+    model, conv = _chunked(chunks, monkeypatch)
     scanned, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
     batches = ([_batch(conv=conv) for _ in range(5)] + [_batch(bad=True, conv=conv)]
                + [_batch(conv=conv) for _ in range(6)])

@@ -78,10 +78,11 @@ def _trainers(monkeypatch, model, feeds):
     (a program picks its way at its first step), each after a step on `feeds`."""
     double_buffered = onnxtrain.Trainer(model, seed=5)
     first = float(double_buffered.step(feeds)["loss"])
-    monkeypatch.setattr(onnxtrain.programs, "LEAN_CHECK_BYTES", 0)
+    monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
     lean = onnxtrain.Trainer(model, seed=5)
     np.testing.assert_allclose(float(lean.step(feeds)["loss"]), first, rtol=1e-6)
-    assert lean._steps[0]._lean and not double_buffered._steps[0]._lean
+    assert lean._steps[0]._check_pass._cache_size() == 1
+    assert double_buffered._steps[0]._check_pass._cache_size() == 0
     return double_buffered, lean
 
 
@@ -114,3 +115,17 @@ def test_check_then_update_writes_in_place_and_compiles_once(monkeypatch):
         assert all(value.is_deleted() for value in gradients.values())
     assert program._check_pass._cache_size() == 1 and program._update_pass._cache_size() == 1
     assert program._jitted._cache_size() == 0
+
+
+@pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
+def test_fit_on_a_large_state_steps_one_call_at_a_time(monkeypatch, nan_policy):
+    """No scan (it would hold the state twice); the same history as single steps."""
+    model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
+    batches = _feeds(6)
+    single = onnxtrain.Trainer(model, nan_policy=nan_policy)
+    losses = [float(single.step(feeds)["loss"]) for feeds in batches]
+    monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
+    chunked = onnxtrain.Trainer(model, nan_policy=nan_policy)
+    history = chunked.fit(batches, progress=False, steps_per_call=4)
+    np.testing.assert_allclose(history["loss"], losses, rtol=1e-6)
+    assert chunked._steps[0]._scanned._cache_size() == 0
