@@ -429,7 +429,7 @@ class StepProgram(_Program):
         return result
 
     def _step_by_step(self, store: StateStore, stacked: dict[str, Any]) -> Stacked:
-        """What run_many returns, one checked and committed run per step."""
+        """What run_many returns, from one committed run per step (checked unless "ignore")."""
         batches = unstack(stacked)
         steps = [self.run(store, feeds, f"step (step {number} of a {len(batches)}-step call)")
                  for number, feeds in enumerate(batches)]
