@@ -181,6 +181,7 @@ class StepProgram(_Program):
         self.nan_policy = nan_policy
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound = {value for _, value in self.bindings}
+        self._bound_variables = frozenset(key for key, _ in self.bindings)
         self.returned = [o.name for o in info.algorithm.output if o.name not in bound]
         # Only graphs with random ops advance the key: a split costs a loop in every step.
         self.random = draws_random(self.translated.plan)
@@ -200,6 +201,8 @@ class StepProgram(_Program):
         given = {*plan.inputs, *plan.constants, *self.translated.params, *self.variables}
         # What the tail reads that only the graph computes (the gradients, typically).
         self._tail_inputs = [name for name in self.tail.reads if name not in given]
+        # On a mesh the spare buffers would need the shardings XLA picks for the tail's inputs.
+        self._tail_recomputable = placement is DEFAULT_DEVICE and bool(self.tail.nodes)
         self._large: bool | None = None
         self._spare_tail_inputs: dict[str, jax.Array] | None = None
         self._check_pass = jax.jit(self._checked_tail_inputs, donate_argnums=1, keep_unused=True)
@@ -222,31 +225,31 @@ class StepProgram(_Program):
         return jnp.stack([_non_finite(v) for _, v in watched])
 
     def _outputs(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
-                 feeds: dict[str, Any]) -> tuple:
-        """(key, the bound variables' new values, the returned outputs) of one step; `key` is
-        None for graphs without random ops (see `_key`)."""
+                 feeds: dict[str, Any], kept: Sequence[str] = ()) -> tuple:
+        """(key, the bound variables' new values, the returned outputs, the values of the `kept`
+        intermediate names) of one step; `key` is None for graphs without random ops (see `_key`)."""
         key, subkey = jax.random.split(key) if self.random else (key, None)
-        outputs = self.translated.apply(self.params(state, constants), feeds, subkey)
-        return key, self._updates(state, outputs), {name: outputs[name] for name in self.returned}
+        outputs, values = self.translated.apply_keeping(self.params(state, constants), feeds, subkey, kept)
+        return key, self._updates(state, outputs), {name: outputs[name] for name in self.returned}, values
 
     def _step(self, state: dict[str, jax.Array], key: jax.Array, constants: dict[str, Any],
               feeds: dict[str, Any], accepting: Any = True) -> tuple:
         """(new state, key, outputs, faults); a faulty step leaves the state as it was."""
-        key, updates, returned = self._outputs(state, key, constants, feeds)
+        key, updates, returned, _ = self._outputs(state, key, constants, feeds)
         new_state = self.placement.constrain_state({**state, **updates})
         if self.nan_policy == "ignore":
             return new_state, key, returned, None
         faults = self._faults(new_state, returned)
         accept = jnp.logical_and(accepting, ~jnp.any(faults))
-        bound = {k for k, _ in self.bindings}
-        kept = {k: jnp.where(accept, v, state[k]) if k in bound else v for k, v in new_state.items()}
+        kept = {k: jnp.where(accept, v, state[k]) if k in self._bound_variables else v
+                for k, v in new_state.items()}
         return kept, key, returned, faults
 
     def _checked_step(self, state: dict[str, jax.Array], spare: dict[str, jax.Array], key: jax.Array,
                       constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
         """(new values of the bound variables, key, outputs, faults); the new values land in
         the donated `spare` buffers, which the computation never reads."""
-        key, updates, returned = self._outputs(state, key, constants, feeds)
+        key, updates, returned, _ = self._outputs(state, key, constants, feeds)
         updates = self.placement.constrain_state(updates)
         return updates, key, returned, self._faults(updates, returned)
 
@@ -255,11 +258,8 @@ class StepProgram(_Program):
         """(the computed values the update tail reads, key, outputs, faults) of one step; those
         values land in the donated `spare` buffers (the previous step's), which are never read:
         fresh buffers would cost page faults over the size of the gradients every step."""
-        key, subkey = jax.random.split(key) if self.random else (key, None)
-        outputs, kept = self.translated.apply_keeping(self.params(state, constants), feeds, subkey,
-                                                      self._tail_inputs)
-        returned = {name: outputs[name] for name in self.returned}
-        return kept, key, returned, self._faults(self._updates(state, outputs), returned)
+        key, updates, returned, kept = self._outputs(state, key, constants, feeds, self._tail_inputs)
+        return kept, key, returned, self._faults(updates, returned)
 
     def _tail_update(self, bound: dict[str, jax.Array], unbound: dict[str, jax.Array],
                      constants: dict[str, Any], feeds: dict[str, Any], kept: dict[str, Any]) -> dict:
@@ -282,7 +282,7 @@ class StepProgram(_Program):
         faults = np.asarray(faults)
         if faults.any():
             return old, key, outputs, faults
-        bound = {k for k, _ in self.bindings}
+        bound = self._bound_variables
         updates = self._update_pass({k: old[k] for k in bound}, {k: v for k, v in old.items() if k not in bound},
                                     self.constants, feeds, kept)
         return {**old, **updates}, key, outputs, faults
@@ -294,8 +294,7 @@ class StepProgram(_Program):
         return self._large
 
     def _checked_run(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        # On a mesh the spare buffers would need the shardings XLA picks for the tail's inputs.
-        lean = self._large_state(store) and self.placement is DEFAULT_DEVICE and bool(self.tail.nodes)
+        lean = self._tail_recomputable and self._large_state(store)
         return (self._check_then_update if lean else self._double_buffered)(store, feeds)
 
     def _double_buffered(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
