@@ -331,9 +331,9 @@ def adam_state_jax(weights: dict[str, np.ndarray]) -> dict:
             "t": jnp.asarray(1, jnp.int32)}
 
 
-def train_step_jax(forward):
-    """The training step of training_onnx by hand: one jax.jit around jax.value_and_grad and
-    the spec's Adam (norm coefficients 0), state donated. step(state, x, labels) -> (state, loss).
+def _adam_step(forward):
+    """The training step of training_onnx by hand: jax.value_and_grad and the spec's Adam
+    (norm coefficients 0). step(state, x, labels) -> (state, loss).
 
     Adam of ai.onnx.preview.training: v = a*v + (1-a)*g; h = b*h + (1-b)*g^2;
     r' = r*sqrt(1-b^T)/(1-a^T) if T > 0 else r; x -= r' * v / (sqrt(h) + eps).
@@ -355,4 +355,21 @@ def train_step_jax(forward):
                               state["params"], v, h)
         return {"params": params, "v": v, "h": h, "t": state["t"] + 1}, loss
 
-    return jax.jit(step, donate_argnums=0)
+    return step
+
+
+def train_step_jax(forward):
+    """One jax.jit of _adam_step, state donated: step(state, x, labels) -> (state, loss)."""
+    return jax.jit(_adam_step(forward), donate_argnums=0)
+
+
+def train_steps_jax(forward):
+    """K steps per compiled call, the way one writes it by hand: jax.jit of a lax.scan of
+    _adam_step over a stack of K batches, state donated.
+    steps(state, xs[K, ...], labels[K, ...]) -> (state, losses[K])."""
+    step = _adam_step(forward)
+
+    def steps(state, xs, labels):
+        return jax.lax.scan(lambda carry, batch: step(carry, *batch), state, (xs, labels))
+
+    return jax.jit(steps, donate_argnums=0)

@@ -6,6 +6,7 @@ numpy and the standard library only, so it runs in the ONNX Runtime venv too.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -50,6 +51,32 @@ def time_steps(step: Callable[[Batch], float], data: list[Batch], task: dict) ->
         step(data[index % len(data)])
         times.append(time.perf_counter() - start)
     return {"first_loss": first_loss, "first_s": first_s, "times": times}
+
+
+def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch], task: dict,
+               k: int = 8, size: int = 64) -> dict:
+    """Per-step times of calls that each run several steps, `k` per compiled call (Trainer.fit,
+    a hand-written scan).
+
+    run_call(batches) runs one step per batch (len(batches) is a multiple of k) and returns
+    their losses as Python floats. The warm-up call covers the warm-up steps (a multiple of k)
+    from data[0] on, so its first loss is the first step's, comparable across systems. Each
+    timed call covers `size` batches (fewer if `steps` is smaller); its wall time / its
+    length is one sample."""
+    size = min(size, max(k, task["steps"] // k * k))
+    stream = itertools.cycle(data)
+    warmup = [next(stream) for _ in range(max(k, task["warmup"] // k * k))]
+    start = time.perf_counter()
+    first_loss = run_call(warmup)[0]
+    first_s = time.perf_counter() - start
+    times = []
+    for _ in range(max(1, task["steps"] // size)):
+        chunk = [next(stream) for _ in range(size)]
+        start = time.perf_counter()
+        run_call(chunk)
+        times.append((time.perf_counter() - start) / size)
+    return {"first_loss": first_loss, "first_s": first_s, "times": times,
+            "note": f"K={k}, {size} steps per call"}
 
 
 def versions(*packages: str) -> dict[str, str]:
