@@ -90,3 +90,12 @@ def test_fresh_install_imports_onnxtrain_and_nothing_at_top_level(wheel, tmp_pat
     assert result.stdout.strip() == "1"
     demo = subprocess.run([str(env / "bin" / "onnxtrain"), "demo"], capture_output=True, text=True)
     assert demo.returncode == 0 and "test accuracy" in demo.stdout, demo.stderr
+
+
+def test_importing_onnxtrain_loads_optax_only_for_fine_tuning():
+    """Trainer users never pay optax's import (~4 MB, ~0.1 s); the fine-tuning tests show
+    FineTuner still gets it where it is used."""
+    script = "import sys, onnxtrain\nprint('optax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
