@@ -191,7 +191,7 @@ def compile_times(folder: Path) -> str:
     cached = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20
     return (f"ResNet-18 ({sum(w.size for w in weights.values()) / 1e6:.1f} M trainable parameters), batch "
             f"{RESNET_BATCH} x {'x'.join(map(str, models.RESNET18_INPUT))}, onnxtrain-step, each row a "
-            f"fresh process with ONNXTRAIN_COMPILATION_CACHE=<folder> ({cached:.0f} MB in it after both):\n\n"
+            f"fresh process with ONNXTRAIN_COMPILATION_CACHE=<folder> ({cached:.2f} MB in it after both):\n\n"
             + "\n".join(rows))
 
 
