@@ -9,15 +9,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench_run_module():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_table_compares_multi_step_rows_with_the_faster_hand_written_jax():
+def _bench_run_module(monkeypatch):
+    """bench/run.py as a module. Its `import models` must find bench/models.py, not the
+    tests/training/models.py that pytest may have imported under that name; monkeypatch puts
+    back whatever was there for the tests that come next."""
+    monkeypatch.setitem(sys.modules, "models", _load(ROOT / "bench" / "models.py", "models"))
+    return _load(ROOT / "bench" / "run.py", "bench_run")
+
+
+def test_table_compares_multi_step_rows_with_the_faster_hand_written_jax(monkeypatch):
     def row(median, rss):
         return {"median": median, "p10": median, "p90": median, "rss": rss, "first_loss": 1.0, "note": ""}
 
@@ -27,7 +34,7 @@ def test_table_compares_multi_step_rows_with_the_faster_hand_written_jax():
                "mlp": {"onnxtrain-fit": row(0.0012, 280), "jax-handwritten": row(0.0010, 250),
                        "jax-handwritten-scan": row(0.0008, 350)}}
     cells = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[6:11]]
-             for line in _bench_run_module().table(results).splitlines()[2:]}
+             for line in _bench_run_module(monkeypatch).table(results).splitlines()[2:]}
     # × JAX, × ORT, RSS MB, RSS × JAX, RSS × ORT
     assert cells["cnn", "onnxtrain-step"] == ["1.20", "0.96", "330", "1.10", "3.67"]
     assert cells["cnn", "onnxtrain-fit"] == ["1.10", "0.88", "360", "1.20", "4.00"]
