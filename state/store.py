@@ -22,8 +22,13 @@ from onnxtrain.errors import InputError, ModelLoadError
 
 
 def _device_array(value: Any) -> jax.Array:
+    """A device copy of `value` that nothing else holds, made without compiling: a jnp.array
+    copy compiles one small program per shape (~10 ms each, too quick for the persistent
+    cache to keep), which a model with many state shapes paid at every start."""
     with jax.enable_x64(True):
-        return jnp.array(value, copy=True)
+        if isinstance(value, jax.Array):
+            return jax.device_put(value, value.sharding, may_alias=False)
+        return jax.device_put(np.asarray(value), may_alias=False)
 
 
 class StateView(Mapping):

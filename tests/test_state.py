@@ -34,6 +34,19 @@ def test_view_is_read_only_and_hands_out_copies():
     assert view["T"].dtype == np.int64
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_holds_its_own_copy_of_every_dtype_given(dtype):
+    """Host arrays go to the device as copies (a caller reusing its buffer changes nothing),
+    with their dtype kept exactly, 64-bit and ml_dtypes included."""
+    given = np.arange(6).reshape(2, 3).astype(dtype)
+    expected = given.copy()
+    store = StateStore({"W": given, "n": 3, "x": 2.5}, jax.random.key(0))
+    given[...] = given[0, 1]
+    assert store.values["W"].dtype == dtype
+    np.testing.assert_array_equal(np.asarray(store.values["W"]), expected)
+    assert (store.values["n"].dtype, store.values["x"].dtype) == (np.int64, np.float64)
+
+
 def test_commit_requires_every_variable():
     store = _store()
     with pytest.raises(ValueError):
