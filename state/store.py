@@ -22,13 +22,12 @@ from onnxtrain.errors import InputError, ModelLoadError
 
 
 def _device_array(value: Any) -> jax.Array:
-    """A device copy of `value` that nothing else holds, made without compiling: a jnp.array
-    copy compiles one small program per shape (~10 ms each, too quick for the persistent
-    cache to keep), which a model with many state shapes paid at every start."""
+    """A device copy of `value` that nothing else holds. jnp.array compiles a small copy
+    program per shape, and device_put would not: but on CPU device_put of a host array can
+    alias it even with may_alias=False (a caller reusing its buffer then changed the store),
+    and copying on the host first held a 100M-parameter model's weights twice while loading."""
     with jax.enable_x64(True):
-        if isinstance(value, jax.Array):
-            return jax.device_put(value, value.sharding, may_alias=False)
-        return jax.device_put(np.asarray(value), may_alias=False)
+        return jnp.array(value, copy=True)
 
 
 class StateView(Mapping):

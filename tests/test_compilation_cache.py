@@ -67,12 +67,13 @@ handler.emit = lambda record: compiled.append(record.getMessage()) if record.get
 logging.getLogger("jax").addHandler(handler)
 jax.config.update("jax_log_compiles", True)
 trainer = onnxtrain.Trainer(training)
+compiled.clear()
 trainer.step({"x": np.ones((4, widths[0]), np.float32), "labels": np.zeros((4, widths[-1]), np.float32)})
 print(len(compiled))
 """
 
 
-def _start_up_compilations(layers: int) -> int:
+def _first_step_compilations(layers: int) -> int:
     env = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}
     result = subprocess.run([sys.executable, "-c", START_UP, str(layers)], capture_output=True, text=True,
                             env=env, timeout=300)
@@ -80,8 +81,8 @@ def _start_up_compilations(layers: int) -> int:
     return int(result.stdout.strip().splitlines()[-1])
 
 
-def test_start_up_compiles_the_same_programs_whatever_the_number_of_state_shapes():
-    """Programs too quick for the persistent cache are compiled again at every start: copying
-    the state in or making the step's spare buffers must not cost one per state shape
-    (a ResNet-18 paid ~1 s of its warm start for them)."""
-    assert _start_up_compilations(1) == _start_up_compilations(4)
+def test_first_step_compiles_the_same_programs_whatever_the_number_of_state_shapes():
+    """Programs too quick for the persistent cache are compiled again at every start: making
+    the checked step's spare buffers must not cost one per state shape (a ResNet-18 paid
+    0.7 s of its warm start for them)."""
+    assert _first_step_compilations(1) == _first_step_compilations(4)
