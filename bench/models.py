@@ -189,6 +189,10 @@ def transformer_jax(params: dict, x: jax.Array) -> jax.Array:
 RESNET18_INPUT = (3, 112, 112)  # with batch 8: ResNet-18's graph at a quarter of the pixels
 
 
+# The hand-written JAX forward pass of each timed model, by name.
+JAX_FORWARD = {"mlp": mlp_jax, "cnn": cnn_jax, "transformer": transformer_jax}
+
+
 def resnet18_weights(seed: int = 0) -> dict[str, np.ndarray]:
     """ResNet-18's 11.2 M trainable parameters (convolutions, BatchNorm scale/bias, the head)."""
     rng = np.random.default_rng(seed)

@@ -145,7 +145,7 @@ def table(results: dict[str, dict[str, dict | str]]) -> str:
         return f"{value / reference[key]:.2f}" if reference else "—"
 
     for model, systems in results.items():
-        ort_row = systems.get("ort-training") if isinstance(systems.get("ort-training"), dict) else None
+        ort_row = row if isinstance(row := systems.get("ort-training"), dict) else None
         for system, s in systems.items():
             if isinstance(s, str):
                 rows.append(f"| {model} | {system} | unavailable: {s} | | | | | | | |")

@@ -44,7 +44,7 @@ def test_folder_can_be_moved_or_switched_off(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-START_UP = """
+FIRST_STEP = """
 import logging, sys, numpy as np, jax, onnxtrain
 from onnx import TensorProto, helper, numpy_helper
 widths = [8 + 4 * i for i in range(int(sys.argv[1]) + 1)]
@@ -75,7 +75,7 @@ print(len(compiled))
 
 def _first_step_compilations(layers: int) -> int:
     env = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}
-    result = subprocess.run([sys.executable, "-c", START_UP, str(layers)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", FIRST_STEP, str(layers)], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     return int(result.stdout.strip().splitlines()[-1])

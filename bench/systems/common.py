@@ -17,6 +17,8 @@ from typing import Callable
 import numpy as np
 
 Batch = dict[str, np.ndarray]
+# Steps per compiled call of the multi-step systems (onnxtrain-fit, jax-handwritten-scan).
+STEPS_PER_CALL = 8
 
 
 def job() -> dict:
@@ -54,15 +56,16 @@ def time_steps(step: Callable[[Batch], float], data: list[Batch], task: dict) ->
 
 
 def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch], task: dict,
-               k: int = 8, size: int = 64) -> dict:
-    """Per-step times of calls that each run several steps, `k` per compiled call (Trainer.fit,
-    a hand-written scan).
+               size: int = 64) -> dict:
+    """Per-step times of calls that each run several steps, STEPS_PER_CALL per compiled call
+    (Trainer.fit, a hand-written scan).
 
-    run_call(batches) runs one step per batch (len(batches) is a multiple of k) and returns
-    their losses as Python floats. The warm-up call covers the warm-up steps (a multiple of k)
-    from data[0] on, so its first loss is the first step's, comparable across systems. Each
-    timed call covers `size` batches (fewer if `steps` is smaller); its wall time / its
-    length is one sample."""
+    run_call(batches) runs one step per batch (len(batches) is a multiple of STEPS_PER_CALL)
+    and returns their losses as Python floats. The warm-up call covers the warm-up steps
+    (rounded to that multiple) from data[0] on, so its first loss is the first step's,
+    comparable across systems. Each timed call covers `size` batches (fewer if `steps` is
+    smaller); its wall time / its length is one sample."""
+    k = STEPS_PER_CALL
     size = min(size, max(k, task["steps"] // k * k))
     stream = itertools.cycle(data)
     warmup = [next(stream) for _ in range(max(k, task["warmup"] // k * k))]

@@ -9,11 +9,9 @@ import common
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import models  # noqa: E402
 
-FORWARD = {"mlp": models.mlp_jax, "cnn": models.cnn_jax, "transformer": models.transformer_jax}
-
 task = common.job()
 data = common.batches(task)
-step = models.train_step_jax(FORWARD[task["model"]])
+step = models.train_step_jax(models.JAX_FORWARD[task["model"]])
 holder = {"state": models.adam_state_jax(common.weights(task))}
 
 

@@ -1,5 +1,5 @@
-"""onnxtrain-fit: Trainer.fit(steps_per_call=8), which runs 8 steps per compiled call (a
-lax.scan) and reads every step's loss back as a float, one chunk late.
+"""onnxtrain-fit: Trainer.fit(steps_per_call=common.STEPS_PER_CALL), which runs 8 steps per
+compiled call (a lax.scan) and reads every step's loss back as a float, one chunk late.
 
 One timed sample = one fit call (see common.time_calls). The first step's loss comes from
 the warm-up fit call, so the process compiles only what fit runs."""
@@ -14,8 +14,8 @@ trainer = onnxtrain.Trainer(Path(task["dir"]) / f"{task['model']}.training.onnx"
 
 
 def run(batches):
-    return trainer.fit(batches, progress=False, steps_per_call=8)["loss"]
+    return trainer.fit(batches, progress=False, steps_per_call=common.STEPS_PER_CALL)["loss"]
 
 
-common.report(**common.time_calls(run, common.batches(task), task, k=8),
+common.report(**common.time_calls(run, common.batches(task), task),
               compilations=trainer.compilations)
