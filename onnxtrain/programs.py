@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
+from onnxtrain.fault_check import EvidenceLayout, Faults, any_fault, check, first_fault
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Stacked, unstack
 from onnxtrain.proto import GraphProto, ModelProto
@@ -68,18 +69,6 @@ def _checked_assignment(key: str, value: Any, current: jax.Array, where: str) ->
             f"{where}: {key!r} is {current.dtype}{list(current.shape)} but the value bound to it is "
             f"{value.dtype}{list(value.shape)}; a state variable keeps its type and shape")
     return value
-
-
-def _non_finite(value: jax.Array) -> jax.Array:
-    """True if `value` holds a NaN or an Inf. 0 * x is NaN exactly for those, and a
-    matrix-vector product with zeros is the fastest full pass over a tensor on XLA:CPU
-    (vectorized and threaded): 2-5x faster than reducing a boolean isfinite array, which
-    matters on small, memory-bound models where the check reads the whole state every step.
-    (A max-reduction would not do: XLA:CPU's max drops NaN.)"""
-    if value.size == 0:
-        return jnp.asarray(False)
-    rows = value.reshape(-1, value.shape[-1]) if value.ndim else value.reshape(1, 1)
-    return jnp.isnan(jnp.sum(rows @ jnp.zeros(rows.shape[-1], rows.dtype)))
 
 
 def _spare_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -193,7 +182,7 @@ class StepProgram(_Program):
         # Only graphs with random ops advance the key: a split costs a loop in every step.
         self.random = draws_random(self.translated.plan)
         self.chained = any_node(self.translated.plan, _loop_averse)
-        self.watched: list[str] = []
+        self._layout = EvidenceLayout((), ())
         self._spare: dict[str, jax.Array] = {}
         # Scanned calls whose faults the host has not read yet (see run_many), oldest first,
         # and the flag the next scanned call starts from: False after a fault among them.
@@ -222,14 +211,12 @@ class StepProgram(_Program):
         where = f"{self.where}.update_binding"
         return {k: _checked_assignment(k, outputs[v], state[k], where) for k, v in self.bindings}
 
-    def _faults(self, state: dict[str, Any], outputs: dict[str, Any]) -> jax.Array:
-        """One flag per watched value: True where it holds NaN or Inf."""
+    def _faults(self, state: dict[str, Any], outputs: dict[str, Any]) -> Faults:
+        """The NaN/Inf check (see fault_check) of the bound values and the float outputs."""
         candidates = [*((k, state[k]) for k, _ in self.bindings), *outputs.items()]
         watched = [(n, v) for n, v in candidates if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
-        self.watched = [name for name, _ in watched]
-        if not watched:
-            return jnp.zeros((0,), bool)
-        return jnp.stack([_non_finite(v) for _, v in watched])
+        self._layout, faults = check(watched)
+        return faults
 
     def _outputs(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
                  feeds: dict[str, Any], kept: Sequence[str] = ()) -> tuple:
@@ -247,7 +234,7 @@ class StepProgram(_Program):
         if self.nan_policy == "ignore":
             return new_state, key, returned, None
         faults = self._faults(new_state, returned)
-        accept = jnp.logical_and(accepting, ~jnp.any(faults))
+        accept = jnp.logical_and(accepting, ~faults.flag)
         kept = {k: jnp.where(accept, v, state[k]) if k in self._bound_variables else v
                 for k, v in new_state.items()}
         return kept, key, returned, faults
@@ -286,8 +273,7 @@ class StepProgram(_Program):
         kept, key, outputs, faults = self._check_pass(old, spare, key, self.constants, feeds)
         self._spare_tail_inputs = kept
         _prefetch_small(outputs)
-        faults = np.asarray(faults)
-        if faults.any():
+        if any_fault(faults):
             return old, key, outputs, faults
         bound = self._bound_variables
         updates = self._update_pass({k: old[k] for k in bound}, {k: v for k, v in old.items() if k not in bound},
@@ -313,8 +299,7 @@ class StepProgram(_Program):
         spare.update(self.placement.place_state(missing))
         updates, key, outputs, faults = self._jitted(old, spare, self._key(store), self.constants, feeds)
         _prefetch_small(outputs)
-        faults = np.asarray(faults)
-        if faults.any():
+        if any_fault(faults):
             self._spare = updates
             return old, key, outputs, faults
         # A value passed through unchanged comes back as the very same array: never recycle it.
@@ -329,7 +314,7 @@ class StepProgram(_Program):
         good one."""
         state, key, outputs, faults = self._step(state, key, constants, feeds, accepting)
         if self.nan_policy == "raise":
-            accepting = jnp.logical_and(accepting, ~jnp.any(faults))
+            accepting = jnp.logical_and(accepting, ~faults.flag)
         return self.placement.constrain_state(state), key, outputs, faults, accepting
 
     def _steps(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
@@ -361,11 +346,9 @@ class StepProgram(_Program):
         committing None keeps the store's key."""
         return store.key if self.random else None
 
-    def _report(self, faults: np.ndarray, step: str, steps_in_call: int = 1) -> None:
-        """Act on faults (a row of flags per step, at least one set) as the policy says."""
-        rows = faults.reshape(-1, len(self.watched))
-        first = int(np.argmax(rows.any(axis=1)))
-        names = [name for name, bad in zip(self.watched, rows[first]) if bad]
+    def _report(self, faults: Faults, step: str, steps_in_call: int = 1) -> None:
+        """Act on the faults of a call (some step faulty) as the policy says."""
+        first, names = first_fault(faults, self._layout)
         where = f"{self.where} {step}"
         if steps_in_call > 1:
             where += f" (step {first} of a {steps_in_call}-step call)"
@@ -380,8 +363,7 @@ class StepProgram(_Program):
         """Commit a single step's result, then act on its faults as the policy says. Nothing
         watched (nan_policy "ignore") means no transfer, so the host never waits for the device.
         A step that "raise" refuses keeps the key too: retrying it draws the same numbers."""
-        faults = None if faults is None else np.asarray(faults)
-        if faults is None or not faults.any():
+        if faults is None or not any_fault(faults):
             store.commit(state, key)
             return
         store.commit(state, key if self.nan_policy == "skip" else None)
@@ -397,11 +379,10 @@ class StepProgram(_Program):
         fault under "raise" the later calls were no-ops: they are dropped with it."""
         while self._unsettled and (through is None or self._unsettled[0][0] <= through):
             _, faults = self._unsettled.pop(0)
-            faults = np.asarray(faults)
-            if faults.any():
+            if any_fault(faults):
                 self._unsettled.clear()
                 self._accepting = self._accepting_flag()
-                self._report(faults, "step", steps_in_call=len(faults))
+                self._report(faults, "step", steps_in_call=np.size(faults.flag))
 
     def run_many(self, store: StateStore, stacked: dict[str, Any], settle_later: bool = False) -> Stacked:
         """len(stacked) steps in one compiled call; the outputs stacked along a new first axis.
@@ -477,9 +458,9 @@ class StepProgram(_Program):
         new_state = {n: jnp.asarray(v) for n, v in {**store.values, **updates}.items()}
         returned = {name: outputs[name] for name in self.returned}
         if self.nan_policy == "ignore":
-            return new_state, key, returned, np.zeros(0, bool)
-        faults = np.asarray(self._faults(new_state, returned))
-        return (dict(store.values) if faults.any() else new_state), key, returned, faults
+            return new_state, key, returned, None
+        faults = self._faults(new_state, returned)
+        return (dict(store.values) if any_fault(faults) else new_state), key, returned, faults
 
     def compilations(self) -> int:
         return sum(f._cache_size() for f in (self._jitted, self._dry_run, self._scanned, self._link,
