@@ -264,7 +264,8 @@ class StepProgram(_Program):
         return self.placement.constrain_state(self._updates(state, values))
 
     def _check_then_update(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        """A checked step in two programs (see the class docstring); the state to commit."""
+        """A checked step in two programs (see the class docstring); the state to commit and,
+        after a fault only, the faults."""
         old, key = store.values, self._key(store)
         spare, self._spare_tail_inputs = self._spare_tail_inputs, None
         if spare is None:
@@ -278,7 +279,7 @@ class StepProgram(_Program):
         bound = self._bound_variables
         updates = self._update_pass({k: old[k] for k in bound}, {k: v for k, v in old.items() if k not in bound},
                                     self.constants, feeds, kept)
-        return {**old, **updates}, key, outputs, faults
+        return {**old, **updates}, key, outputs, None
 
     def _large_state(self, store: StateStore) -> bool:
         """Whether the bound state takes LARGE_STATE_BYTES or more (fixed at the first step)."""
@@ -291,8 +292,8 @@ class StepProgram(_Program):
         return (self._check_then_update if lean else self._double_buffered)(store, feeds)
 
     def _double_buffered(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        """One checked step; returns the state to commit: the new one, or the old one after a
-        fault. The replaced values become the next step's spare buffers."""
+        """One checked step; returns the state to commit: the new one, or the old one and the
+        faults after a fault. The replaced values become the next step's spare buffers."""
         old = store.values
         spare, self._spare = self._spare, {}
         missing = {k: _spare_zeros(old[k].shape, old[k].dtype) for k, _ in self.bindings if k not in spare}
@@ -305,7 +306,7 @@ class StepProgram(_Program):
         # A value passed through unchanged comes back as the very same array: never recycle it.
         live = {id(value) for value in updates.values()}
         self._spare = {k: old[k] for k in updates if id(old[k]) not in live}
-        return {**old, **updates}, key, outputs, faults
+        return {**old, **updates}, key, outputs, None
 
     def _chain_link(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
                     feeds: dict[str, Any], accepting: jax.Array) -> tuple:
@@ -360,10 +361,11 @@ class StepProgram(_Program):
                            "nan_policy='skip' to skip such steps.")
 
     def _settle(self, store: StateStore, state: dict, key: jax.Array | None, faults: Any, step: str) -> None:
-        """Commit a single step's result, then act on its faults as the policy says. Nothing
-        watched (nan_policy "ignore") means no transfer, so the host never waits for the device.
-        A step that "raise" refuses keeps the key too: retrying it draws the same numbers."""
-        if faults is None or not any_fault(faults):
+        """Commit a single step's result, then act on its faults as the policy says. `faults`
+        is None for a clean step (whose flag the run has read) and under nan_policy "ignore",
+        which so never waits for the device. A step that "raise" refuses keeps the key too:
+        retrying it draws the same numbers."""
+        if faults is None:
             store.commit(state, key)
             return
         store.commit(state, key if self.nan_policy == "skip" else None)
@@ -460,7 +462,7 @@ class StepProgram(_Program):
         if self.nan_policy == "ignore":
             return new_state, key, returned, None
         faults = self._faults(new_state, returned)
-        return (dict(store.values) if any_fault(faults) else new_state), key, returned, faults
+        return (dict(store.values), key, returned, faults) if any_fault(faults) else (new_state, key, returned, None)
 
     def compilations(self) -> int:
         return sum(f._cache_size() for f in (self._jitted, self._dry_run, self._scanned, self._link,
