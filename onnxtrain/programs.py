@@ -80,7 +80,7 @@ def _spare_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 def _prefetch_small(outputs: Mapping[str, Any]) -> None:
     """Start copying the small outputs (losses, metrics) to the host. A checked step waits
-    for its fault flags anyway; the copy then overlaps that wait instead of following the
+    for its fault flag anyway; the copy then overlaps that wait instead of following the
     caller's float(loss): 1-2.5% of a benchmark MLP step. Big outputs stay on the device
     until asked for."""
     for value in outputs.values():
