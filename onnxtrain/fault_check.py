@@ -30,7 +30,7 @@ _MIN_ROW = 256
 
 class Faults(NamedTuple):
     """What a checked step returns about NaN/Inf: `flag` is True for a faulty step (one per
-    step of a multi-step call), `evidence` names the values (see evidence_layout)."""
+    step of a multi-step call), `evidence` names the values (see EvidenceLayout)."""
     flag: Any
     evidence: Any
 

@@ -347,10 +347,11 @@ class StepProgram(_Program):
         committing None keeps the store's key."""
         return store.key if self.random else None
 
-    def _report(self, faults: Faults, step: str, steps_in_call: int = 1) -> None:
+    def _report(self, faults: Faults, step: str) -> None:
         """Act on the faults of a call (some step faulty) as the policy says."""
         first, names = first_fault(faults, self._layout)
         where = f"{self.where} {step}"
+        steps_in_call = np.size(faults.flag)
         if steps_in_call > 1:
             where += f" (step {first} of a {steps_in_call}-step call)"
         if self.nan_policy == "skip":
@@ -384,7 +385,7 @@ class StepProgram(_Program):
             if any_fault(faults):
                 self._unsettled.clear()
                 self._accepting = self._accepting_flag()
-                self._report(faults, "step", steps_in_call=np.size(faults.flag))
+                self._report(faults, "step")
 
     def run_many(self, store: StateStore, stacked: dict[str, Any], settle_later: bool = False) -> Stacked:
         """len(stacked) steps in one compiled call; the outputs stacked along a new first axis.

@@ -1,7 +1,7 @@
 """jax-handwritten-scan: bench/models.train_steps_jax, common.STEPS_PER_CALL (8) steps per
-jax.jit call (a lax.scan over that many stacked batches) with the state donated; every step's loss read back as a float, one
-call late, so the host stacks the next batches while the device computes. The reference
-for onnxtrain-fit (see common.time_calls)."""
+jax.jit call (a lax.scan over that many stacked batches) with the state donated; every
+step's loss read back as a float, one call late, so the host stacks the next batches while
+the device computes. The reference for onnxtrain-fit (see common.time_calls)."""
 
 import sys
 from pathlib import Path
