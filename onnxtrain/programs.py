@@ -26,7 +26,7 @@ from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Stacked, unstack
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
-from onnxtrain.state.store import StateStore
+from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.training import combined_graph, light_graph, model_of
 from onnxtrain.translate.graph import any_node, draws_random, initializer_names
 from onnxtrain.translate.model import TranslatedModel, static_input_names
@@ -69,13 +69,6 @@ def _checked_assignment(key: str, value: Any, current: jax.Array, where: str) ->
             f"{where}: {key!r} is {current.dtype}{list(current.shape)} but the value bound to it is "
             f"{value.dtype}{list(value.shape)}; a state variable keeps its type and shape")
     return value
-
-
-def _spare_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """A buffer a compiled step writes into (its content is never read), made without
-    compiling: jnp.zeros compiles a small program per shape (~40 ms each, too quick for the
-    persistent cache to keep), 0.7 s at every start of a ResNet-18."""
-    return jax.device_put(np.zeros(shape, dtype))
 
 
 def _prefetch_small(outputs: Mapping[str, Any]) -> None:
@@ -270,7 +263,7 @@ class StepProgram(_Program):
         spare, self._spare_tail_inputs = self._spare_tail_inputs, None
         if spare is None:
             shapes = jax.eval_shape(self._checked_tail_inputs, old, {}, key, self.constants, feeds)[0]
-            spare = {name: _spare_zeros(shape.shape, shape.dtype) for name, shape in shapes.items()}
+            spare = {name: device_zeros(shape.shape, shape.dtype) for name, shape in shapes.items()}
         kept, key, outputs, faults = self._check_pass(old, spare, key, self.constants, feeds)
         self._spare_tail_inputs = kept
         _prefetch_small(outputs)
@@ -296,7 +289,7 @@ class StepProgram(_Program):
         faults after a fault. The replaced values become the next step's spare buffers."""
         old = store.values
         spare, self._spare = self._spare, {}
-        missing = {k: _spare_zeros(old[k].shape, old[k].dtype) for k, _ in self.bindings if k not in spare}
+        missing = {k: device_zeros(old[k].shape, old[k].dtype) for k, _ in self.bindings if k not in spare}
         spare.update(self.placement.place_state(missing))
         updates, key, outputs, faults = self._jitted(old, spare, self._key(store), self.constants, feeds)
         _prefetch_small(outputs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from onnxtrain.errors import BindingError
@@ -209,9 +210,12 @@ def validate(model: ModelProto) -> StateLayout:
     return StateLayout(tuple(names), home)
 
 
-def initial_values(model: ModelProto, layout: StateLayout) -> Iterator[tuple[str, np.ndarray]]:
-    """Each state variable's starting value (its initializer), decoded one at a time."""
+def initial_values(model: ModelProto, layout: StateLayout) -> Iterator[tuple[str, np.ndarray | jax.ShapeDtypeStruct]]:
+    """Each state variable's starting value (its initializer), decoded one at a time. Optimizer
+    slots (sparse initializers with no entries) come as shape and dtype: StateStore makes
+    those zeros without writing them, so they take no memory before the first step."""
     places = [None, *sorted({p for p in layout.home.values() if p is not None})]
     for place in places:
         graph = model.graph if place is None else model.training_info[place].algorithm
-        yield from iter_initializers(graph, lambda name: layout.home.get(name, -1) == place)
+        yield from iter_initializers(graph, lambda name: layout.home.get(name, -1) == place,
+                                     empty_sparse_as_shape=True)

@@ -11,6 +11,7 @@ buffers in place. Two consequences shape this class:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,13 +22,48 @@ import numpy as np
 from onnxtrain.errors import InputError, ModelLoadError
 
 
-def _device_array(value: Any) -> jax.Array:
-    """A device copy of `value` that nothing else holds. jnp.array compiles a small copy
-    program per shape, and device_put would not: but on CPU device_put of a host array can
-    alias it even with may_alias=False (a caller reusing its buffer then changed the store),
-    and copying on the host first held a 100M-parameter model's weights twice while loading."""
+# On CPU, device_put uses host memory aligned to this many bytes in place instead of copying it.
+_ALIGNMENT = 64
+
+
+def device_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros on the device, made without compiling (jnp.zeros compiles a program per shape, too
+    quick for the persistent cache to keep, which a model with many shapes paid at every start)
+    and without writing them: fresh zeroed host memory is mapped by the OS only when first
+    written, and on CPU device_put of aligned memory keeps using it. Nothing else holds it."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
     with jax.enable_x64(True):
-        return jnp.array(value, copy=True)
+        return jax.device_put(raw[start:start + nbytes].view(dtype).reshape(shape)).block_until_ready()
+
+
+def _device_array(value: Any) -> jax.Array:
+    """A device copy of `value` that nothing else holds, made without compiling (see
+    device_zeros); a jax.ShapeDtypeStruct stands for zeros. On CPU, device_put of an aligned
+    host array aliases it, so that case is copied once more on the device; copying on the
+    host instead would write every zero page of a large array it was given."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return device_zeros(value.shape, value.dtype)
+    with jax.enable_x64(True):
+        if isinstance(value, jax.Array):
+            # No target keeps an uncommitted array uncommitted (jit would otherwise see a new
+            # signature); an array spanning processes needs its sharding named.
+            target = None if value.is_fully_addressable else value.sharding
+            copied = jax.device_put(value, target, may_alias=False)
+        else:
+            host = np.asarray(value)
+            copied = jax.device_put(host)
+            if _shares_memory(copied, host):
+                copied = jax.device_put(copied, may_alias=False)
+        # The transfer may still read the caller's buffer: finish it before the caller can reuse it.
+        return copied.block_until_ready()
+
+
+def _shares_memory(device: jax.Array, host: np.ndarray) -> bool:
+    start = host.__array_interface__["data"][0]
+    return start <= device.unsafe_buffer_pointer() < start + max(host.nbytes, 1)
 
 
 class StateView(Mapping):
@@ -59,7 +95,8 @@ class StateStore:
 
     def __init__(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]], key: jax.Array):
         """values: a mapping, or (name, value) pairs moved to the device one by one (so a
-        generator decoding a large model's weights never holds them all on the host)."""
+        generator decoding a large model's weights never holds them all on the host); a
+        jax.ShapeDtypeStruct value stands for zeros (optimizer slots), made without writing."""
         pairs = values.items() if isinstance(values, Mapping) else values
         self.values: dict[str, jax.Array] = {name: _device_array(v) for name, v in pairs}
         self.key = key

@@ -11,7 +11,10 @@ import pytest
 
 from onnxtrain import InputError, ModelLoadError
 from onnxtrain.state.checkpoint import load_checkpoint, save_checkpoint
-from onnxtrain.state.store import StateStore
+from onnxtrain.proto import GraphProto
+from onnxtrain.state.store import StateStore, device_zeros
+from onnxtrain.translate.graph import iter_initializers
+from onnxtrain.translate.tensors import numpy_to_tensor
 
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
           np.int64, np.int32, np.uint8, np.bool_]
@@ -34,17 +37,82 @@ def test_view_is_read_only_and_hands_out_copies():
     assert view["T"].dtype == np.int64
 
 
+def _host_array(shape: tuple[int, ...], dtype, alignment_offset: int) -> np.ndarray:
+    """A host array whose data starts `alignment_offset` bytes past a 64-byte boundary: on CPU
+    device_put aliases a 64-byte aligned array and copies any other."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + alignment_offset
+    array = raw[start:start + nbytes].view(dtype).reshape(shape)
+    array[...] = (np.arange(array.size) % 64).reshape(shape).astype(dtype)
+    return array
+
+
+@pytest.mark.parametrize("alignment_offset", [0, 16])
+@pytest.mark.parametrize("shape", [(2, 3), (1024, 1024)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_holds_its_own_copy_of_every_dtype_given(dtype):
+def test_store_holds_its_own_copy_of_every_dtype_given(dtype, shape, alignment_offset):
     """Host arrays go to the device as copies (a caller reusing its buffer changes nothing),
-    with their dtype kept exactly, 64-bit and ml_dtypes included."""
-    given = np.arange(6).reshape(2, 3).astype(dtype)
+    aligned ones that device_put would alias included, with their dtype kept exactly, 64-bit
+    and ml_dtypes included."""
+    given = _host_array(shape, dtype, alignment_offset)
     expected = given.copy()
     store = StateStore({"W": given, "n": 3, "x": 2.5}, jax.random.key(0))
-    given[...] = given[0, 1]
+    given[...] = given.flat[1]
     assert store.values["W"].dtype == dtype
-    np.testing.assert_array_equal(np.asarray(store.values["W"]), expected)
+    np.testing.assert_array_equal(np.asarray(store.values["W"]).view(np.uint8), expected.view(np.uint8))
     assert (store.values["n"].dtype, store.values["x"].dtype) == (np.int64, np.float64)
+
+
+def test_store_and_its_views_copy_device_arrays():
+    device = jax.numpy.arange(6.0)
+    store = StateStore({"W": device}, jax.random.key(0))
+    handed_out = store.view(("W",))["W"]
+    pointers = {array.unsafe_buffer_pointer() for array in (device, store.values["W"], handed_out)}
+    assert len(pointers) == 3
+    np.testing.assert_array_equal(handed_out, np.arange(6.0))
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shape_values_become_zeros_of_that_shape_and_dtype(dtype):
+    store = StateStore({"m": jax.ShapeDtypeStruct((3, 4), dtype), "s": jax.ShapeDtypeStruct((), dtype)},
+                       jax.random.key(0))
+    for name, shape in (("m", (3, 4)), ("s", ())):
+        value = store.values[name]
+        assert (value.shape, value.dtype) == (shape, dtype)
+        np.testing.assert_array_equal(np.asarray(value).reshape(-1).view(np.uint8), np.zeros(value.size, np.uint8).repeat(np.dtype(dtype).itemsize))
+
+
+def test_device_zeros_take_no_memory_until_written_and_can_be_updated_in_place():
+    """Optimizer slots start as device_zeros: a 100M-parameter model's Adam slots (800 MB)
+    must not be resident while the model's weights are still being loaded."""
+    before = _resident_mib()
+    zeros = device_zeros((64, 1024, 1024), np.float32)
+    assert _resident_mib() - before < 32
+    doubled_plus_one = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)(zeros)
+    assert zeros.is_deleted()
+    assert float(doubled_plus_one[63, 1023, 1023]) == 1.0 and float(doubled_plus_one.sum()) == 64 * 2 ** 20
+
+
+def test_empty_sparse_initializers_come_as_their_shape_when_asked():
+    graph = GraphProto()
+    graph.initializer.append(numpy_to_tensor(np.ones((2, 2), np.float32), "dense"))
+    for name, values in (("empty", np.zeros(0, np.float64)), ("one_entry", np.array([5], np.int64))):
+        sparse = graph.sparse_initializer.add()
+        sparse.values.CopyFrom(numpy_to_tensor(values, name))
+        sparse.indices.CopyFrom(numpy_to_tensor(np.array([3] * values.size, np.int64), f"{name}_indices"))
+        sparse.dims.extend([2, 3])
+    as_shape = dict(iter_initializers(graph, empty_sparse_as_shape=True))
+    assert as_shape["empty"] == jax.ShapeDtypeStruct((2, 3), np.float64)
+    np.testing.assert_array_equal(as_shape["one_entry"], [[0, 0, 0], [5, 0, 0]])
+    np.testing.assert_array_equal(as_shape["dense"], np.ones((2, 2)))
+    np.testing.assert_array_equal(dict(iter_initializers(graph))["empty"], np.zeros((2, 3)))
 
 
 def test_commit_requires_every_variable():

@@ -53,16 +53,24 @@ def initializer_names(graph: GraphProto) -> list[str]:
     return [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
 
 
-def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True
-                      ) -> Iterator[tuple[str, np.ndarray]]:
+def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True,
+                      empty_sparse_as_shape: bool = False
+                      ) -> Iterator[tuple[str, np.ndarray | jax.ShapeDtypeStruct]]:
     """(name, numpy array) for the initializers `wanted` accepts, decoded one at a time, so a
-    caller that keeps only some of them (or moves each to the device) never holds them all."""
+    caller that keeps only some of them (or moves each to the device) never holds them all.
+    empty_sparse_as_shape: a sparse initializer with no entries (all zeros) comes as its shape
+    and dtype, for a caller that can make zeros more cheaply than copy them."""
     for tensor in graph.initializer:
         if wanted(tensor.name):
             yield tensor.name, tensor_to_numpy(tensor, f"initializer {tensor.name!r}")
     for sparse in graph.sparse_initializer:
         if wanted(sparse.values.name):
-            yield sparse.values.name, sparse_to_dense(sparse, f"sparse initializer {sparse.values.name!r}")
+            where = f"sparse initializer {sparse.values.name!r}"
+            values = tensor_to_numpy(sparse.values, where)
+            if empty_sparse_as_shape and values.size == 0:
+                yield sparse.values.name, jax.ShapeDtypeStruct(tuple(sparse.dims), values.dtype)
+            else:
+                yield sparse.values.name, sparse_to_dense(sparse, where)
 
 
 def graph_initializers(graph: GraphProto) -> dict[str, np.ndarray]:
