@@ -26,12 +26,15 @@ def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
     return {name: float(np.asarray(value)) for name, value in outputs.items() if np.size(value) == 1}
 
 
-class Stacked(dict):
-    """Outputs of several steps stacked along a first axis (from one compiled call).
-    `settle`, when set, acts on the call's NaN/Inf faults (StepProgram.run_many): call it
-    before using the values."""
+class Unsettled(dict):
+    """Outputs of a call whose NaN/Inf faults the host may not have read yet (StepProgram's
+    settle_later). `settle`, when set, acts on them: call it before using the values."""
 
     settle: Callable[[], None] | None = None
+
+
+class Stacked(Unsettled):
+    """Outputs of several steps stacked along a first axis (from one compiled call)."""
 
 
 def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -107,7 +110,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
     (see per_step_scalars). Values come back to the host one chunk late, and so do the NaN/Inf
-    checks of Stacked parts (their `settle`), so the host prepares the next chunk while the
+    checks of Unsettled parts (their `settle`), so the host prepares the next chunk while the
     device computes this one, never waiting for a progress-bar update.
     """
     from tqdm.auto import tqdm
@@ -129,7 +132,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
         def record(outputs: Any) -> None:
             for part in outputs:
-                if isinstance(part, Stacked) and part.settle is not None:
+                if isinstance(part, Unsettled) and part.settle is not None:
                     part.settle()
             for step in per_step_scalars(outputs):
                 for name, value in step.items():

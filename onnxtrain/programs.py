@@ -23,7 +23,7 @@ import numpy as np
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.fault_check import EvidenceLayout, Faults, any_fault, check, first_fault
 from onnxtrain.feeds import FeedChecker
-from onnxtrain.fitting import Stacked, unstack
+from onnxtrain.fitting import Stacked, Unsettled, unstack
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore, device_zeros
@@ -198,6 +198,8 @@ class StepProgram(_Program):
         self._update_pass = jax.jit(self._tail_update, donate_argnums=0)
         self._scanned = jax.jit(self._steps, donate_argnums=0)
         self._link = jax.jit(self._chain_link, donate_argnums=0)
+        # False once the graph failed to trace (see NeedsHostValues): single steps then run eagerly.
+        self._linkable = True
 
     def _updates(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
         """The bound variables' new values."""
@@ -402,12 +404,15 @@ class StepProgram(_Program):
             except NeedsHostValues:
                 return self._step_by_step(store, stacked)
         store.commit(state, key)
-        result = Stacked(outputs)
+        return self._settle_later(Stacked(outputs), faults, settle_later)
+
+    def _settle_later(self, result: Unsettled, faults: Faults | None, later: bool) -> Unsettled:
+        """`result`, its call's faults queued for `settle`, which runs now unless `later`."""
         if faults is not None:
             number = next(self._calls)
             self._unsettled.append((number, faults))
             result.settle = lambda: self.settle(through=number)
-        if not settle_later:
+        if not later:
             self.settle()
         return result
 
@@ -418,9 +423,16 @@ class StepProgram(_Program):
                  for number, feeds in enumerate(batches)]
         return Stacked({name: np.stack([np.asarray(step[name]) for step in steps]) for name in self.returned})
 
-    def run(self, store: StateStore, feeds: dict[str, Any], step: str = "step") -> dict[str, Any]:
+    def run(self, store: StateStore, feeds: dict[str, Any], step: str = "step",
+            settle_later: bool = False) -> dict[str, Any]:
         """One step: new state committed to `store`; the unbound outputs returned. Faults of
-        earlier scanned calls are acted on first. `step` names the step in fault reports."""
+        earlier scanned calls are acted on first. `step` names the step in fault reports.
+        settle_later: return without waiting for the device, as run_many does; the step is
+        then a chain link (see _chain_link) and its outputs come back Unsettled."""
+        if settle_later and self._linkable and self.nan_policy != "ignore" and not self._large_state(store):
+            linked = self._linked_step(store, feeds)
+            if linked is not None:
+                return linked
         self.settle()
         with jax.enable_x64(True):
             try:
@@ -434,6 +446,23 @@ class StepProgram(_Program):
                 state, key, outputs, faults = self._eager_step(store, feeds)
         self._settle(store, state, key, faults, step)
         return outputs
+
+    def _linked_step(self, store: StateStore, feeds: dict[str, Any]) -> Unsettled | None:
+        """run(settle_later=True) of a checked step: one chain link, so the host does not wait
+        for the step's fault flag (a checked single step does, every step); None for a graph
+        that cannot be traced, which run then steps eagerly."""
+        with jax.enable_x64(True):
+            try:
+                state, key, outputs, faults, self._accepting = self._link(
+                    store.values, self._key(store), self.constants, feeds, self._accepting)
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+            except NeedsHostValues:
+                self._linkable = False
+                return None
+        store.commit(state, key)
+        _prefetch_small(outputs)
+        return self._settle_later(Unsettled(outputs), faults, later=True)
 
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """The step's unbound outputs from the current state, which stays untouched."""

@@ -205,8 +205,8 @@ class Trainer:
         callbacks: callback(epoch, logs) after every epoch; returning True stops training.
         steps_per_call: run this many consecutive same-shaped batches per compiled call
         (a lax.scan on the device; for graphs with convolutions, as many single-step calls
-        back to back), saving the per-step dispatch; their values and NaN/Inf checks are
-        read back a chunk later, while the device runs the next chunk.
+        back to back), saving the per-step dispatch. Whatever the chunk size, values and
+        NaN/Inf checks are read back a chunk later, while the device runs the next chunk.
         """
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
                    progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
@@ -225,7 +225,8 @@ class Trainer:
         checked = [place.check_batch(program.check_feeds(feeds), program.where) for feeds in batches]
         return [program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True),
                                  settle_later)
-                if len(run) > 1 else program.run(self._store, place.place_batch(run[0], program.where))
+                if len(run) > 1 else program.run(self._store, place.place_batch(run[0], program.where),
+                                                 settle_later=settle_later)
                 for run in same_signature_runs(checked)]
 
     def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:

@@ -41,6 +41,23 @@ def _conv_model():
     return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.1))
 
 
+def _untraceable_model():
+    """MatMul plus zero times the count of non-zero inputs: NonZero's output shape depends on
+    the data, so the steps run op by op."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("NonZero", ["x"], ["nonzero"]),
+             helper.make_node("Shape", ["nonzero"], ["shape"]),
+             helper.make_node("Cast", ["shape"], ["float_shape"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["float_shape"], ["count"], keepdims=0),
+             helper.make_node("Mul", ["count", "zero"], ["nothing"]), helper.make_node("Add", ["m", "nothing"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "linear_with_nonzero", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(RNG.normal(size=(3, 2)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.float32(0), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.01))
+
+
 def _batch(bad: bool = False, conv: bool = False):
     x = RNG.normal(size=(4, 3)).astype(np.float32)
     if bad:
@@ -165,6 +182,59 @@ def test_fit_reads_faults_a_chunk_late_but_applies_nothing_after_one(chunks, mon
     scanned.fit([good, good], progress=False, steps_per_call=2)
     reference.fit([good, good], progress=False, steps_per_call=2)
     _assert_same(_state(scanned), _state(reference))
+
+
+@pytest.mark.parametrize("chunks", CHUNKED)
+def test_fit_one_step_per_call_reads_faults_a_step_late_but_applies_nothing_after_one(chunks, monkeypatch):
+    """With one step per call (fit's default) the host dispatches the next step before it
+    reads a step's NaN/Inf check, except for large states, whose steps run checked one by
+    one: which batch fit had taken when it raised shows which way it ran."""
+    model, conv = _chunked(chunks, monkeypatch)
+    late, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    batches = [_batch(conv=conv) for _ in range(3)] + [_batch(bad=True, conv=conv)] + [
+        _batch(conv=conv) for _ in range(3)]
+    taken = []
+
+    def feed():
+        for number, feeds in enumerate(batches):
+            taken.append(number)
+            yield feeds
+
+    with pytest.raises(NumericError, match=r"training_info\[0\] step produced NaN or Inf in \[") as raised:
+        late.fit(feed, progress=False)
+    assert "-step call" not in str(raised.value)
+    assert taken[-1] == (3 if CHUNKED[chunks][2] else 4)
+    for feeds in batches[:3]:
+        reference.step(feeds)
+    _assert_same(_state(late), _state(reference))
+    good = _batch(conv=conv)
+    late.fit([good, good], progress=False)
+    reference.fit([good, good], progress=False)
+    _assert_same(_state(late), _state(reference))
+
+
+def test_fit_one_step_per_call_skips_faulty_steps_a_step_late(caplog):
+    skipping, reference = onnxtrain.Trainer(MODEL, nan_policy="skip"), onnxtrain.Trainer(MODEL)
+    batches = [_batch(), BAD, _batch(), BAD, _batch()]
+    with caplog.at_level(logging.WARNING, logger="onnxtrain"):
+        history = skipping.fit(batches, progress=False)
+    assert sum("skipped" in record.getMessage() for record in caplog.records) == 2
+    assert len(history["loss"]) == 5 and np.isnan(history["loss"][1]) and np.isnan(history["loss"][3])
+    for feeds in batches[::2]:
+        reference.step(feeds)
+    _assert_same(_state(skipping), _state(reference))
+
+
+def test_fit_of_a_graph_that_runs_op_by_op_checks_every_step(caplog):
+    model = _untraceable_model()
+    eager, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    batches = [_batch(), _batch(), BAD, _batch()]
+    with pytest.raises(NumericError, match=r"step produced NaN or Inf in \['W'"):
+        eager.fit(batches, progress=False)
+    assert any("runs op by op" in record.getMessage() for record in caplog.records)
+    for feeds in batches[:2]:
+        reference.step(feeds)
+    _assert_same(_state(eager), _state(reference))
 
 
 def test_a_fault_left_unread_by_an_interrupted_fit_is_reported_by_the_next_step():
