@@ -51,12 +51,11 @@ def _device_array(value: Any) -> jax.Array:
             # No target keeps an uncommitted array uncommitted (jit would otherwise see a new
             # signature); an array spanning processes needs its sharding named.
             target = None if value.is_fully_addressable else value.sharding
-            copied = jax.device_put(value, target, may_alias=False)
-        else:
-            host = np.asarray(value)
-            copied = jax.device_put(host)
-            if _shares_memory(copied, host):
-                copied = jax.device_put(copied, may_alias=False)
+            return jax.device_put(value, target, may_alias=False)
+        host = np.asarray(value)
+        copied = jax.device_put(host)
+        if _shares_memory(copied, host):
+            copied = jax.device_put(copied, may_alias=False)
         # The transfer may still read the caller's buffer: finish it before the caller can reuse it.
         return copied.block_until_ready()
 
