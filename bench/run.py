@@ -47,6 +47,7 @@ ORT_PACKAGES = ["onnxruntime-training==1.19.2", "onnx==1.17.0", "numpy<2"]
 SYSTEMS = {"onnxtrain-step": ("onnxtrain_step.py", {}),
            "onnxtrain-step-unchecked": ("onnxtrain_step.py", {"nan_policy": "ignore"}),
            "onnxtrain-fit": ("onnxtrain_fit.py", {}),
+           "onnxtrain-fit-k1": ("onnxtrain_fit.py", {"steps_per_call": 1}),
            "jax-handwritten": ("jax_handwritten.py", {}),
            "jax-handwritten-scan": ("jax_handwritten_scan.py", {}),
            "ort-training": ("ort_training.py", {}), "torch-eager": ("torch_eager.py", {})}
@@ -218,7 +219,9 @@ nothing); onnxtrain-step-unchecked (`nan_policy="ignore"`) does the work the oth
 none of which checks. onnxtrain-fit times each `Trainer.fit` call over up to 64 batches (8 steps per compiled call;
 its row says how many) and divides by that count, so its p10/p90 are over calls; its losses
 come back one chunk late, and its first loss is that of the warm-up fit call's first step, so
-the process compiles only what fit runs. jax-handwritten-scan is its hand-written
+the process compiles only what fit runs. onnxtrain-fit-k1 is the same with fit's default
+of one step per call: each step is a compiled call of its own, its loss and NaN/Inf check
+read one step later, so it is a single-step row. jax-handwritten-scan is onnxtrain-fit's hand-written
 counterpart: a `lax.scan` over 8 stacked batches per `jax.jit` call, timed the same way, the
 losses read one call late. **× JAX** and **RSS × JAX** compare a single-step row with
 jax-handwritten, and a multi-step row (onnxtrain-fit, jax-handwritten-scan) with the faster

@@ -56,9 +56,9 @@ def time_steps(step: Callable[[Batch], float], data: list[Batch], task: dict) ->
 
 
 def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch], task: dict,
-               size: int = 64) -> dict:
-    """Per-step times of calls that each run several steps, STEPS_PER_CALL per compiled call
-    (Trainer.fit, a hand-written scan).
+               size: int = 64, steps_per_call: int = STEPS_PER_CALL) -> dict:
+    """Per-step times of calls that each run several steps, `steps_per_call` per compiled
+    call (Trainer.fit, a hand-written scan).
 
     run_call(batches) runs one step per batch (len(batches) is a multiple of STEPS_PER_CALL)
     and returns their losses as Python floats. The warm-up call covers the warm-up steps
@@ -79,7 +79,7 @@ def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch]
         run_call(chunk)
         times.append((time.perf_counter() - start) / size)
     return {"first_loss": first_loss, "first_s": first_s, "times": times,
-            "note": f"K={k}, {size} steps per call"}
+            "note": f"K={steps_per_call}, {size} steps per call"}
 
 
 def versions(*packages: str) -> dict[str, str]:
