@@ -26,17 +26,20 @@ def _expected_dtype(value_type: TypeProto, name: str) -> np.dtype | None:
 
 
 def _as_array(name: str, value: Any, dtype: np.dtype | None) -> Any:
+    """`value` as an array of its own. Host values are copied: a step may return before the
+    device has read its feeds, and JAX on CPU reads a host argument in place (or copies it
+    later), so a caller refilling its batch buffer would change a step in flight."""
     if isinstance(value, (np.ndarray, jax.Array, np.generic)):
         if dtype is not None and value.dtype != dtype:
             raise InputError(f"input {name!r} must be {dtype}, got a {value.dtype} array; "
                              f"convert it first, e.g. value.astype(np.{dtype.name})")
-        return value
+        return np.array(value) if isinstance(value, np.ndarray) else value
     try:
         array = np.asarray(value)
     except (TypeError, ValueError) as error:
         raise InputError(f"input {name!r}: {type(value).__name__} is not array-like ({error})") from None
     if dtype is None or array.dtype.kind in "OUS":
-        return array
+        return np.array(array)
     converted = array.astype(dtype)
     if not np.array_equal(converted.astype(array.dtype), array):
         raise InputError(f"input {name!r} must be {dtype}; the values given do not fit it exactly")
@@ -59,7 +62,8 @@ class FeedChecker:
             self._inputs.append((info.name, _expected_dtype(info.type, info.name), dims))
 
     def __call__(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
-        """The feeds as arrays, after checking names, dtypes, ranks and dims."""
+        """The feeds as arrays of their own (see _as_array), after checking names, dtypes,
+        ranks and dims."""
         if not isinstance(feeds, Mapping):
             raise InputError(f"{self.where} takes a mapping of input name -> array, got "
                              f"{type(feeds).__name__}")

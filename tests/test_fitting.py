@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from host_buffers import host_array
 from onnxtrain import InputError
 from onnxtrain.fitting import fit
 
@@ -126,3 +127,49 @@ def test_steps_per_call_loop_on_the_device_unless_the_graph_convolves(convolves)
             lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked,
                                              program._accepting).as_text()
         assert "stablehlo.while" in lowered
+
+
+def _wide_linear_model():
+    """One 1024x1024 MatMul: a step long enough (a few ms) for the host to run ahead of it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnxtrain
+
+    weights = np.random.default_rng(0).normal(size=(1024, 1024)).astype(np.float32) / 32
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1024])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1024])],
+        [numpy_helper.from_array(weights, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="mse", optimizer=onnxtrain.optim.Momentum(lr=0.01))
+
+
+@pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
+def test_steps_in_flight_do_not_read_batch_buffers_the_caller_refills(nan_policy):
+    """fit (one step per call, its checks read a step late) and step under "ignore" return
+    before the device has run the step; a data loader then refills its buffer with the next
+    batch. The buffer is 64-byte aligned, which JAX on CPU would read in place."""
+    import onnxtrain
+
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.normal(size=(512, 1024)).astype(np.float32),
+                "labels": rng.normal(size=(512, 1024)).astype(np.float32)} for _ in range(6)]
+    model = _wide_linear_model()
+    refilled, reference = (onnxtrain.Trainer(model, nan_policy=nan_policy) for _ in range(2))
+    buffers = {name: host_array(value) for name, value in batches[0].items()}
+
+    def loader():
+        for feeds in batches:
+            for name, value in feeds.items():
+                buffers[name][...] = value
+            yield buffers
+
+    if nan_policy == "ignore":
+        for feeds in loader():
+            refilled.step(feeds)
+    else:
+        refilled.fit(loader, progress=False)
+    for feeds in batches:
+        reference.step(feeds)
+    np.testing.assert_array_equal(np.asarray(refilled.state["W"]), np.asarray(reference.state["W"]))

@@ -9,9 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from host_buffers import host_array
 from onnxtrain import InputError, ModelLoadError
-from onnxtrain.state.checkpoint import load_checkpoint, save_checkpoint
 from onnxtrain.proto import GraphProto
+from onnxtrain.state.checkpoint import load_checkpoint, save_checkpoint
 from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.translate.graph import iter_initializers
 from onnxtrain.translate.tensors import numpy_to_tensor
@@ -37,18 +38,6 @@ def test_view_is_read_only_and_hands_out_copies():
     assert view["T"].dtype == np.int64
 
 
-def _host_array(shape: tuple[int, ...], dtype, alignment_offset: int) -> np.ndarray:
-    """A host array whose data starts `alignment_offset` bytes past a 64-byte boundary: on CPU
-    device_put aliases a 64-byte aligned array and copies any other."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + 128, np.uint8)
-    start = (-raw.ctypes.data) % 64 + alignment_offset
-    array = raw[start:start + nbytes].view(dtype).reshape(shape)
-    array[...] = (np.arange(array.size) % 64).reshape(shape).astype(dtype)
-    return array
-
-
 @pytest.mark.parametrize("alignment_offset", [0, 16])
 @pytest.mark.parametrize("shape", [(2, 3), (1024, 1024)])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +45,7 @@ def test_store_holds_its_own_copy_of_every_dtype_given(dtype, shape, alignment_o
     """Host arrays go to the device as copies (a caller reusing its buffer changes nothing),
     aligned ones that device_put would alias included, with their dtype kept exactly, 64-bit
     and ml_dtypes included."""
-    given = _host_array(shape, dtype, alignment_offset)
+    given = host_array((np.arange(np.prod(shape)) % 64).reshape(shape).astype(dtype), alignment_offset)
     expected = given.copy()
     store = StateStore({"W": given, "n": 3, "x": 2.5}, jax.random.key(0))
     given[...] = given.flat[1]
