@@ -427,8 +427,9 @@ class StepProgram(_Program):
             settle_later: bool = False) -> dict[str, Any]:
         """One step: new state committed to `store`; the unbound outputs returned. Faults of
         earlier scanned calls are acted on first. `step` names the step in fault reports.
-        settle_later: return without waiting for the device, as run_many does; the step is
-        then a chain link (see _chain_link) and its outputs come back Unsettled."""
+        settle_later: return without waiting for the device, as run_many does: the step is
+        then a chain link (see _chain_link), its outputs come back Unsettled, and earlier
+        calls' faults are left to their own settle."""
         if settle_later and self._linkable and self.nan_policy != "ignore" and not self._large_state(store):
             linked = self._linked_step(store, feeds)
             if linked is not None:
