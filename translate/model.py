@@ -71,7 +71,8 @@ def _host_only(value: Any) -> bool:
     return isinstance(value, np.ndarray) and (value.dtype.kind in "OUS" or value.dtype in _HOST_ONLY_DTYPES)
 
 
-def _signature(inputs: Mapping[str, Any]) -> Any:
+def input_signature(inputs: Mapping[str, Any]) -> Any:
+    """What a jitted call's cache tells inputs apart by: structure, shapes, dtypes."""
     leaves, structure = jax.tree_util.tree_flatten(inputs)
     return structure, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves)
 
@@ -163,7 +164,7 @@ class TranslatedModel:
         """Run the model: compiled once per input signature, eagerly where it must."""
         with jax.enable_x64(True):
             eager = not self.jit or (
-                bool(self._eager_signatures) and _signature(inputs) in self._eager_signatures)
+                bool(self._eager_signatures) and input_signature(inputs) in self._eager_signatures)
             if not eager and not _host_only(list(inputs.values())):
                 try:
                     return self._jitted(params, inputs, key)
@@ -172,7 +173,7 @@ class TranslatedModel:
                 except NeedsHostValues as reason:
                     logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
                                    self.name, reason)
-                    self._eager_signatures.add(_signature(inputs))
+                    self._eager_signatures.add(input_signature(inputs))
             host_params = {name: to_host(value) for name, value in params.items()}
             host_inputs = {name: to_host(value) for name, value in inputs.items()}
             return self.apply(host_params, host_inputs, key, eager=True)
