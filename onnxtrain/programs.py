@@ -29,7 +29,7 @@ from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.training import combined_graph, light_graph, model_of
 from onnxtrain.translate.graph import any_node, draws_random, initializer_names
-from onnxtrain.translate.model import TranslatedModel, input_signature, static_input_names
+from onnxtrain.translate.model import EagerSignatures, TranslatedModel, static_input_names
 from onnxtrain.translate.node import NodeSpec
 from onnxtrain.translate.registry import DEFAULT_DOMAIN, normalize_domain
 from onnxtrain.translate.values import NeedsHostValues, to_host
@@ -198,9 +198,7 @@ class StepProgram(_Program):
         self._update_pass = jax.jit(self._tail_update, donate_argnums=0)
         self._scanned = jax.jit(self._steps, donate_argnums=0)
         self._link = jax.jit(self._chain_link, donate_argnums=0)
-        # Feed signatures the graph cannot be traced for (see NeedsHostValues): their steps go
-        # op by op at once, without another failed trace and warning every step.
-        self._eager_signatures: set[Any] = set()
+        self._eager_signatures = EagerSignatures()
 
     def _updates(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
         """The bound variables' new values."""
@@ -431,7 +429,7 @@ class StepProgram(_Program):
         settle_later: return without waiting for the device, as run_many does: the step is
         then a chain link (see _chain_link), its outputs come back Unsettled, and earlier
         calls' faults are left to their own settle."""
-        eager = self._known_eager(feeds)
+        eager = feeds in self._eager_signatures
         if settle_later and not eager and self.nan_policy != "ignore" and not self._large_state(store):
             linked = self._linked_step(store, feeds)
             if linked is not None:
@@ -452,14 +450,10 @@ class StepProgram(_Program):
         self._settle(store, state, key, faults, step)
         return outputs
 
-    def _known_eager(self, feeds: dict[str, Any]) -> bool:
-        # Most graphs trace: they skip working out the signature.
-        return bool(self._eager_signatures) and input_signature(feeds) in self._eager_signatures
-
     def _goes_eager(self, feeds: dict[str, Any], reason: NeedsHostValues) -> None:
         """Remember that steps with these feeds' signature cannot be traced, and say so once."""
         logger.warning("%s runs op by op (no jit) for these feed shapes: %s", self.where, reason)
-        self._eager_signatures.add(input_signature(feeds))
+        self._eager_signatures.add(feeds)
 
     def _linked_step(self, store: StateStore, feeds: dict[str, Any]) -> Unsettled | None:
         """run(settle_later=True) of a checked step: one chain link, so the host does not wait
@@ -481,7 +475,7 @@ class StepProgram(_Program):
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """The step's unbound outputs from the current state, which stays untouched."""
         with jax.enable_x64(True):
-            if not self._known_eager(feeds):
+            if feeds not in self._eager_signatures:
                 try:
                     return self._dry_run(store.values, self._key(store), self.constants, feeds)[2]
                 except OnnxTrainError as error:

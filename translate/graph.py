@@ -66,9 +66,9 @@ def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda 
     for sparse in graph.sparse_initializer:
         if wanted(sparse.values.name):
             where = f"sparse initializer {sparse.values.name!r}"
-            values = tensor_to_numpy(sparse.values, where)
-            if empty_sparse_as_shape and values.size == 0:
-                yield sparse.values.name, jax.ShapeDtypeStruct(tuple(sparse.dims), values.dtype)
+            if empty_sparse_as_shape and 0 in sparse.values.dims:
+                dtype = tensor_to_numpy(sparse.values, where).dtype
+                yield sparse.values.name, jax.ShapeDtypeStruct(tuple(sparse.dims), dtype)
             else:
                 yield sparse.values.name, sparse_to_dense(sparse, where)
 

@@ -71,10 +71,27 @@ def _host_only(value: Any) -> bool:
     return isinstance(value, np.ndarray) and (value.dtype.kind in "OUS" or value.dtype in _HOST_ONLY_DTYPES)
 
 
-def input_signature(inputs: Mapping[str, Any]) -> Any:
-    """What a jitted call's cache tells inputs apart by: structure, shapes, dtypes."""
+def _signature(inputs: Mapping[str, Any]) -> Any:
     leaves, structure = jax.tree_util.tree_flatten(inputs)
     return structure, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves)
+
+
+class EagerSignatures:
+    """The input signatures (structure, shapes, dtypes) a graph could not be traced for (see
+    NeedsHostValues): calls with them go op by op at once, without another failed trace."""
+
+    def __init__(self) -> None:
+        self._signatures: set[Any] = set()
+
+    def __contains__(self, inputs: Mapping[str, Any]) -> bool:
+        # Most graphs trace: they never work out a signature.
+        return bool(self._signatures) and _signature(inputs) in self._signatures
+
+    def __len__(self) -> int:
+        return len(self._signatures)
+
+    def add(self, inputs: Mapping[str, Any]) -> None:
+        self._signatures.add(_signature(inputs))
 
 
 class TranslatedModel:
@@ -109,7 +126,7 @@ class TranslatedModel:
         self.input_names = [name for name in self.plan.inputs if name not in names]
         self.output_names = list(self.plan.outputs)
         self._jitted = jax.jit(self._traced)
-        self._eager_signatures: set[Any] = set()
+        self._eager_signatures = EagerSignatures()
 
     def _input_values(self, params: Mapping[str, Any], inputs: Mapping[str, Any]) -> list[Any]:
         unknown = sorted(set(inputs) - set(self.plan.inputs))
@@ -163,8 +180,7 @@ class TranslatedModel:
                  key: jax.Array | None = None) -> dict[str, Any]:
         """Run the model: compiled once per input signature, eagerly where it must."""
         with jax.enable_x64(True):
-            eager = not self.jit or (
-                bool(self._eager_signatures) and input_signature(inputs) in self._eager_signatures)
+            eager = not self.jit or inputs in self._eager_signatures
             if not eager and not _host_only(list(inputs.values())):
                 try:
                     return self._jitted(params, inputs, key)
@@ -173,7 +189,7 @@ class TranslatedModel:
                 except NeedsHostValues as reason:
                     logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
                                    self.name, reason)
-                    self._eager_signatures.add(input_signature(inputs))
+                    self._eager_signatures.add(inputs)
             host_params = {name: to_host(value) for name, value in params.items()}
             host_inputs = {name: to_host(value) for name, value in inputs.items()}
             return self.apply(host_params, host_inputs, key, eager=True)
