@@ -54,6 +54,23 @@ def test_gradient_is_taken_at_the_node_inputs_not_the_current_values():
     np.testing.assert_allclose(out["dx"], 2 * 3 * x)
 
 
+def test_zs_computed_from_the_differentiated_values_stay_constants():
+    # y = sum(a * h) with a = W * x and h = tanh(a) named in zs: h is held constant, so
+    # dy/dW = x * h. h is computed from the forward pass the Gradient differentiates, so
+    # that pass cannot run as one group ahead of h: the Gradient node replays it instead.
+    nodes = [
+        helper.make_node("Mul", ["W", "x"], ["a"]),
+        helper.make_node("Tanh", ["a"], ["h"]),
+        helper.make_node("Mul", ["a", "h"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["y"], keepdims=0),
+        helper.make_node("Gradient", ["W", "x", "h"], ["dW"], domain=TRAINING, xs=["W"], zs=["x", "h"], y="y"),
+    ]
+    w, x = np.array([0.5, -1.0, 2.0], np.float32), np.array([1.5, 0.25, -0.75], np.float32)
+    out = onnxtrain.run(_model(nodes, [("W", [3]), ("x", [3])], ["y", "dW"]), {"W": w, "x": x})
+    np.testing.assert_allclose(out["y"], np.sum(w * x * np.tanh(w * x)), rtol=1e-6)
+    np.testing.assert_allclose(out["dW"], x * np.tanh(w * x), rtol=1e-6)
+
+
 def test_non_differentiable_op_on_the_path_is_named():
     nodes = [
         helper.make_node("Constant", [], ["one"], value=helper.make_tensor("c", TensorProto.FLOAT, [], [1.0])),

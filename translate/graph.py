@@ -37,6 +37,18 @@ from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
 
 
 @dataclass
+class NodeGroup:
+    """Nodes of a plan that a traced walk evaluates together, when it reaches the first of
+    them (`start`), rather than one by one: the forward pass a Gradient node differentiates,
+    run once under jax.vjp (see translate.gradient). `run(scope, evaluation)` binds the
+    outputs of every node at `members` (plan indices, `start` the lowest)."""
+
+    start: int
+    members: frozenset[int]
+    run: Callable[[ChainMap, Evaluation], None]
+
+
+@dataclass
 class GraphPlan:
     """A graph ready to evaluate: its input/output names and node specs in order."""
 
@@ -46,6 +58,8 @@ class GraphPlan:
     nodes: list[NodeSpec]
     # The graph's own initializers that are not parameters: name -> host array.
     constants: dict[str, Any]
+    # The node groups of traced walks by start index, worked out at the first walk.
+    groups: dict[int, NodeGroup] | None = None
 
 
 def initializer_names(graph: GraphProto) -> list[str]:
@@ -117,7 +131,7 @@ class Translator:
                 node.name or "(unnamed)")
             return None
         spec = NodeSpec(node, label, version, attrs, handler.fn, handler.static_inputs,
-                        handler.random, handler.differentiable)
+                        handler.random, handler.differentiable, handler.group)
         for attribute in node.attribute:
             if attribute.type == attribute.GRAPH:
                 spec.subgraphs[attribute.name] = self.plan(
@@ -299,15 +313,40 @@ def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, An
 def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any], outer: Mapping[str, Any],
                    evaluation: Evaluation) -> ChainMap:
     """Bind a plan's inputs (in order) and run the nodes at `indices` (in plan order); every
-    value then named. `outer` must hold whatever those nodes read that they do not produce."""
+    value then named. `outer` must hold whatever those nodes read that they do not produce.
+    A traced walk evaluates a NodeGroup whose members are all among `indices` as one."""
     local: dict[str, Any] = dict(plan.constants)
     for name, value in zip(plan.inputs, inputs):
         if name:
             local[name] = value
     scope = ChainMap(local, outer)
+    indices = list(indices)
+    groups = {} if evaluation.eager else _groups(plan)
+    wanted = set(indices) if groups else set()
+    done: set[int] = set()
     for index in indices:
-        run_node(plan.nodes[index], scope, evaluation)
+        group = groups.get(index)
+        if group is not None and group.members <= wanted:
+            group.run(scope, evaluation)
+            done |= group.members
+        elif index not in done:
+            run_node(plan.nodes[index], scope, evaluation)
     return scope
+
+
+def _groups(plan: GraphPlan) -> dict[int, NodeGroup]:
+    """The plan's node groups (see NodeGroup); a group sharing a node with an earlier one
+    is dropped, so every node is evaluated once."""
+    if plan.groups is None:
+        groups: dict[int, NodeGroup] = {}
+        taken: set[int] = set()
+        for index, spec in enumerate(plan.nodes):
+            group = spec.group(spec, index) if spec.group is not None else None
+            if group is not None and not group.members & taken:
+                groups[group.start] = group
+                taken |= group.members
+        plan.groups = groups
+    return plan.groups
 
 
 def plan_outputs(plan: GraphPlan, scope: Mapping[str, Any]) -> list[Any]:

@@ -94,6 +94,8 @@ class NodeSpec:
     static_inputs: tuple[int, ...] = ()
     random: bool = False
     differentiable: bool = True
+    # The handler's NodeGroup builder (see OpHandler.group).
+    group: Callable | None = None
     subgraphs: dict[str, Any] = field(default_factory=dict)
     # The GraphPlan holding this node (the Gradient op slices it), and a place
     # for handlers to keep what they derive from the plan once.
@@ -116,6 +118,9 @@ class Evaluation:
         self.drawn: dict[int, jax.Array] = {}
         # Keys drawn ahead by a replay for nodes the forward run has not reached yet.
         self._reserved: dict[int, jax.Array] = {}
+        # What a node group left for a later node of this run, by that node's spec (id): the
+        # Gradient op's (y, pullback) from its forward pass under jax.vjp.
+        self.handed_on: dict[int, Any] = {}
 
     def replay(self) -> Evaluation:
         """A traced (never eager) evaluation that reuses this run's draws."""

@@ -29,6 +29,8 @@ class OpHandler:
     (shapes, axes, sizes); the translator keeps initializers feeding them out
     of the traced parameters and reports a clear error otherwise.
     random: the op draws from the PRNG key, so it is never folded on the host.
+    group: fn(spec, index) -> the graph.NodeGroup of earlier nodes to evaluate together for
+    this node, or None (the Gradient op's forward pass; see translate.gradient).
     """
 
     domain: str
@@ -38,6 +40,7 @@ class OpHandler:
     static_inputs: tuple[int, ...] = ()
     random: bool = False
     differentiable: bool = True
+    group: Callable | None = None
 
 
 _HANDLERS: dict[tuple[str, str], list[OpHandler]] = {}
@@ -51,6 +54,7 @@ def op(
     static_inputs: Iterable[int] = (),
     random: bool = False,
     differentiable: bool = True,
+    group: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register the decorated function as the handler of op_type from opset `since` on.
 
@@ -61,7 +65,7 @@ def op(
 
     def register(fn: Callable) -> Callable:
         handler = OpHandler(normalize_domain(domain), op_type, since, fn,
-                            tuple(static_inputs), random, differentiable)
+                            tuple(static_inputs), random, differentiable, group)
         versions = _HANDLERS.setdefault((handler.domain, op_type), [])
         if any(h.since_version == since for h in versions):
             raise ValueError(f"{domain or 'ai.onnx'}::{op_type} since {since} registered twice")
