@@ -97,6 +97,22 @@ def test_second_order_gradient_in_the_inference_graph():
     np.testing.assert_allclose(gg_of_sum, 6 * X, rtol=1e-6)
 
 
+def test_gradient_in_a_loop_body_differentiates_each_iteration():
+    # Loop body: s = 2c, y = sum(s^2), g = dy/ds = 2s = 4c, c <- c + g = 5c: after 3 rounds, 125x.
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["c", "two"], ["s"]), helper.make_node("Mul", ["s", "s"], ["squares"]),
+         helper.make_node("ReduceSum", ["squares"], ["y"], keepdims=0), gradient(["s"], "y", outputs=["g"]),
+         helper.make_node("Add", ["c", "g"], ["c_next"]), helper.make_node("Identity", ["go"], ["go_next"])],
+        "body", [value_info("i", TensorProto.INT64, []), value_info("go", TensorProto.BOOL, []),
+                 value_info("c", shape=[2])],
+        [value_info("go_next", TensorProto.BOOL, []), value_info("c_next", shape=[2])])
+    nodes = [constant("two", 2.0), constant("rounds", 3, np.int64), constant("always", True, np.bool_),
+             helper.make_node("Loop", ["rounds", "always", "x"], ["out"], body=body)]
+    x = np.array([1.0, -0.5], np.float32)
+    (out,) = run(nodes, {"x": x}, ["out"])
+    np.testing.assert_allclose(out, 125 * x, rtol=1e-6)
+
+
 def gradient_model(with_zs: bool):
     """SGD on W of a 2-feature linreg; the step also reports dW (and dB with zs).
 
