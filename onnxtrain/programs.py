@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -429,60 +429,55 @@ class StepProgram(_Program):
         settle_later: return without waiting for the device, as run_many does: the step is
         then a chain link (see _chain_link), its outputs come back Unsettled, and earlier
         calls' faults are left to their own settle."""
-        eager = feeds in self._eager_signatures
-        if settle_later and not eager and self.nan_policy != "ignore" and not self._large_state(store):
+        if (settle_later and feeds not in self._eager_signatures and self.nan_policy != "ignore"
+                and not self._large_state(store)):
             linked = self._linked_step(store, feeds)
             if linked is not None:
                 return linked
-            eager = True
         self.settle()
-        with jax.enable_x64(True):
-            try:
-                state, key, outputs, faults = (
-                    self._eager_step(store, feeds) if eager else
-                    self._jitted(store.values, self._key(store), self.constants, feeds) if self.nan_policy == "ignore"
-                    else self._checked_run(store, feeds))
-            except OnnxTrainError as error:
-                raise without_jax_notes(error)
-            except NeedsHostValues as reason:
-                self._goes_eager(feeds, reason)
-                state, key, outputs, faults = self._eager_step(store, feeds)
+        state, key, outputs, faults = self._compiled_or_eager(
+            feeds,
+            lambda: (self._jitted(store.values, self._key(store), self.constants, feeds)
+                     if self.nan_policy == "ignore" else self._checked_run(store, feeds)),
+            lambda: self._eager_step(store, feeds))
         self._settle(store, state, key, faults, step)
         return outputs
 
-    def _goes_eager(self, feeds: dict[str, Any], reason: NeedsHostValues) -> None:
-        """Remember that steps with these feeds' signature cannot be traced, and say so once."""
-        logger.warning("%s runs op by op (no jit) for these feed shapes: %s", self.where, reason)
-        self._eager_signatures.add(feeds)
+    def _compiled_or_eager(self, feeds: dict[str, Any], compiled: Callable[[], Any],
+                           eager: Callable[[], Any]) -> Any:
+        """compiled(), or eager() if the graph cannot be traced for these feeds' signature (that
+        is remembered, and said once); both under x64, errors without JAX's internal notes."""
+        with jax.enable_x64(True):
+            try:
+                if feeds not in self._eager_signatures:
+                    try:
+                        return compiled()
+                    except NeedsHostValues as reason:
+                        logger.warning("%s runs op by op (no jit) for these feed shapes: %s", self.where, reason)
+                        self._eager_signatures.add(feeds)
+                return eager()
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
 
     def _linked_step(self, store: StateStore, feeds: dict[str, Any]) -> Unsettled | None:
         """run(settle_later=True) of a checked step: one chain link, so the host does not wait
         for the step's fault flag (a checked single step does, every step); None for a graph
         that cannot be traced, which run then steps eagerly."""
-        with jax.enable_x64(True):
-            try:
-                state, key, outputs, faults, self._accepting = self._link(
-                    store.values, self._key(store), self.constants, feeds, self._accepting)
-            except OnnxTrainError as error:
-                raise without_jax_notes(error)
-            except NeedsHostValues as reason:
-                self._goes_eager(feeds, reason)
-                return None
+        linked = self._compiled_or_eager(
+            feeds, lambda: self._link(store.values, self._key(store), self.constants, feeds, self._accepting),
+            lambda: None)
+        if linked is None:
+            return None
+        state, key, outputs, faults, self._accepting = linked
         store.commit(state, key)
         _prefetch_small(outputs)
         return self._settle_later(Unsettled(outputs), faults, later=True)
 
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """The step's unbound outputs from the current state, which stays untouched."""
-        with jax.enable_x64(True):
-            if feeds not in self._eager_signatures:
-                try:
-                    return self._dry_run(store.values, self._key(store), self.constants, feeds)[2]
-                except OnnxTrainError as error:
-                    raise without_jax_notes(error)
-                except NeedsHostValues as reason:
-                    self._goes_eager(feeds, reason)
-            return self._eager_step(store, feeds)[2]
+        return self._compiled_or_eager(
+            feeds, lambda: self._dry_run(store.values, self._key(store), self.constants, feeds)[2],
+            lambda: self._eager_step(store, feeds)[2])
 
     def _eager_step(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
         key, subkey = jax.random.split(store.key) if self.random else (store.key, None)
