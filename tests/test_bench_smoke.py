@@ -64,3 +64,17 @@ def test_memory_benchmark_runs_every_policy_and_entry_point_on_a_tiny_model():
         f"nan_policy={policy!r}, {run}" for policy in ("ignore", "raise")
         for run in ("3 Trainer.step calls", "fit(8 batches, steps_per_call=4)")], done.stdout
     assert all("(peak - baseline) / (state + activations) = " in row for row in rows)
+
+
+def test_kernel_profile_lists_kernels_of_both_steps():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--model", "mlp", "--steps", "3", "--top", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    headers = [index for index, line in enumerate(lines) if " us of kernels per step (" in line]
+    assert [lines[index].split(":")[0] for index in headers] == [
+        "onnxtrain Trainer.step (nan_policy='raise')", "hand-written JAX"], done.stdout
+    for index in headers:
+        rows = lines[index + 1:index + 3]
+        assert all(row.startswith("  ") and " us  " in row for row in rows), done.stdout
+        assert float(lines[index].split(": ")[1].split(" us")[0]) > 0
