@@ -23,10 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "systems"))
 
+import common  # noqa: E402
 import models  # noqa: E402
 import run  # noqa: E402
 
@@ -36,7 +37,7 @@ WARMUP = 20
 # Events of XLA:CPU's executor and thread pool that wrap or mark kernels rather than being one.
 _BOOKKEEPING = ("ThunkExecutor", "ThreadpoolListener", "SlinkyThreadPool", "end: ")
 
-Batch = dict[str, np.ndarray]
+Batch = common.Batch
 
 
 def kernel_times(step: Callable[[Batch], float], batches: list[Batch], steps: int,
@@ -76,12 +77,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as temporary:
         folder = Path(temporary)
         run.prepare(arguments.model, folder)
-        with np.load(folder / f"{arguments.model}.batches.npz") as data:
-            batches = [{"x": x, "labels": labels} for x, labels in zip(data["x"], data["labels"])]
+        task = {"dir": folder, "model": arguments.model}
+        batches = common.batches(task)
         trainer = onnxtrain.Trainer(folder / f"{arguments.model}.training.onnx", nan_policy=arguments.nan_policy)
         hand_step = models.train_step_jax(models.JAX_FORWARD[arguments.model])
-        with np.load(folder / f"{arguments.model}.weights.npz") as weights:
-            holder = {"state": models.adam_state_jax(dict(weights))}
+        holder = {"state": models.adam_state_jax(common.weights(task))}
 
         def hand_written(batch: Batch) -> float:
             holder["state"], loss = hand_step(holder["state"], batch["x"], batch["labels"])
