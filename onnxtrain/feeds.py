@@ -25,15 +25,21 @@ def _expected_dtype(value_type: TypeProto, name: str) -> np.dtype | None:
     return np.dtype(element_type(value_type.tensor_type.elem_type, f"input {name!r}").dtype)
 
 
+def owned(feeds: Mapping[str, Any]) -> dict[str, Any]:
+    """The feeds with every numpy array copied. A step may return before the device has read
+    its feeds, and JAX on CPU reads a host argument in place (or copies it later), so a caller
+    refilling its batch buffer would otherwise change a step in flight."""
+    return {name: np.array(value) if isinstance(value, np.ndarray) else value for name, value in feeds.items()}
+
+
 def _as_array(name: str, value: Any, dtype: np.dtype | None) -> Any:
-    """`value` as an array of its own. Host values are copied: a step may return before the
-    device has read its feeds, and JAX on CPU reads a host argument in place (or copies it
-    later), so a caller refilling its batch buffer would change a step in flight."""
+    """`value` as an array: arrays as they are (after checking their dtype), anything else
+    converted to the declared dtype if it fits exactly."""
     if isinstance(value, (np.ndarray, jax.Array, np.generic)):
         if dtype is not None and value.dtype != dtype:
             raise InputError(f"input {name!r} must be {dtype}, got a {value.dtype} array; "
                              f"convert it first, e.g. value.astype(np.{dtype.name})")
-        return np.array(value) if isinstance(value, np.ndarray) else value
+        return value
     try:
         array = np.asarray(value)
     except (TypeError, ValueError) as error:
@@ -61,9 +67,9 @@ class FeedChecker:
                 dims = [(d.dim_value if d.HasField("dim_value") else None, d.dim_param) for d in tensor.shape.dim]
             self._inputs.append((info.name, _expected_dtype(info.type, info.name), dims))
 
-    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
-        """The feeds as arrays of their own (see _as_array), after checking names, dtypes,
-        ranks and dims."""
+    def __call__(self, feeds: Mapping[str, Any], copy: bool = True) -> dict[str, Any]:
+        """The feeds as arrays (see _as_array), after checking names, dtypes, ranks and dims;
+        numpy arrays copied (see owned) unless the caller copies them itself (copy=False)."""
         if not isinstance(feeds, Mapping):
             raise InputError(f"{self.where} takes a mapping of input name -> array, got "
                              f"{type(feeds).__name__}")
@@ -75,7 +81,7 @@ class FeedChecker:
             array = checked[name] = _as_array(name, feeds[name], dtype)
             if dims is not None:
                 self._check_shape(name, np.shape(array), dims, symbols)
-        return checked
+        return owned(checked) if copy else checked
 
     def _name_error(self, feeds: Mapping[str, Any]) -> None:
         missing = [name for name in self.names if name not in feeds]
@@ -86,14 +92,16 @@ class FeedChecker:
     @staticmethod
     def _check_shape(name: str, shape: tuple[int, ...], dims: list[tuple[int | None, str]],
                      symbols: dict[str, tuple[int, str]]) -> None:
-        declared = [param or (value if value is not None else "?") for value, param in dims]
+        def declared() -> list[int | str]:
+            return [param or (value if value is not None else "?") for value, param in dims]
+
         if len(shape) != len(dims):
-            raise InputError(f"input {name!r} must have rank {len(dims)} (shape {declared}), "
+            raise InputError(f"input {name!r} must have rank {len(dims)} (shape {declared()}), "
                              f"got shape {list(shape)}")
         for axis, ((value, param), size) in enumerate(zip(dims, shape)):
             if value is not None and value != size:
                 raise InputError(f"input {name!r} must have size {value} on axis {axis} "
-                                 f"(shape {declared}), got shape {list(shape)}")
+                                 f"(shape {declared()}), got shape {list(shape)}")
             if param:
                 seen = symbols.setdefault(param, (size, name))
                 if seen[0] != size:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import InputError
+from onnxtrain.feeds import owned
 
 Feeds = Mapping[str, Any]
 Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
@@ -57,9 +58,11 @@ def _epoch_batches(batches: Batches) -> Iterable[Feeds]:
 
 
 def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
+    """Lists of `size` batches. A chunk holds batches while the loader makes the next ones, and
+    a loader may refill one buffer for every batch, so each batch of a chunk is copied."""
     chunk: list[Feeds] = []
     for feeds in batches:
-        chunk.append(feeds)
+        chunk.append(owned(feeds) if size > 1 and isinstance(feeds, Mapping) else feeds)
         if len(chunk) == size:
             yield chunk
             chunk = []
@@ -68,17 +71,20 @@ def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
 
 
 def _signature(feeds: Feeds) -> tuple:
-    return tuple((name, np.shape(value), str(getattr(value, "dtype", ""))) for name, value in feeds.items())
+    return tuple((name, np.shape(value), getattr(value, "dtype", None)) for name, value in feeds.items())
 
 
 def same_signature_runs(feeds: Sequence[Feeds]) -> list[list[Feeds]]:
     """Consecutive feeds split into runs of one signature (names, shapes, dtypes)."""
     runs: list[list[Feeds]] = []
+    last = None
     for item in feeds:
-        if runs and _signature(runs[-1][0]) == _signature(item):
+        signature = _signature(item)
+        if runs and signature == last:
             runs[-1].append(item)
         else:
             runs.append([item])
+        last = signature
     return runs
 
 

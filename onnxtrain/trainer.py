@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
+from onnxtrain.feeds import owned
 from onnxtrain.fitting import Batches, Callback, fit, same_signature_runs, stack
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
@@ -222,10 +223,11 @@ class Trainer:
         (see StepProgram.run_many)."""
         program = self._step_program(algorithm)
         place = self._placement
-        checked = [place.check_batch(program.check_feeds(feeds), program.where) for feeds in batches]
+        # Uncopied: a run of batches is stacked into a new array; a single batch is copied below.
+        checked = [place.check_batch(program.check_feeds(feeds, copy=False), program.where) for feeds in batches]
         return [program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True),
                                  settle_later)
-                if len(run) > 1 else program.run(self._store, place.place_batch(run[0], program.where),
+                if len(run) > 1 else program.run(self._store, place.place_batch(owned(run[0]), program.where),
                                                  settle_later=settle_later)
                 for run in same_signature_runs(checked)]
 

@@ -173,3 +173,27 @@ def test_steps_in_flight_do_not_read_batch_buffers_the_caller_refills(nan_policy
     for feeds in batches:
         reference.step(feeds)
     np.testing.assert_array_equal(np.asarray(refilled.state["W"]), np.asarray(reference.state["W"]))
+
+
+def test_fit_with_several_steps_per_call_keeps_every_batch_of_a_loader_that_refills_one_buffer():
+    """A chunk of fit collects batches before it runs them; a loader refilling one buffer
+    must not turn the chunk into copies of its last batch."""
+    import onnxtrain
+
+    rng = np.random.default_rng(2)
+    batches = [{"x": rng.normal(size=(8, 1024)).astype(np.float32),
+                "labels": rng.normal(size=(8, 1024)).astype(np.float32)} for _ in range(8)]
+    model = _wide_linear_model()
+    refilled, reference = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
+    buffers = {name: value.copy() for name, value in batches[0].items()}
+
+    def loader():
+        for feeds in batches:
+            for name, value in feeds.items():
+                buffers[name][...] = value
+            yield buffers
+
+    history = refilled.fit(loader, progress=False, steps_per_call=4)
+    expected = [float(reference.step(feeds)["loss"]) for feeds in batches]
+    np.testing.assert_allclose(history["loss"], expected, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(refilled.state["W"]), np.asarray(reference.state["W"]), rtol=1e-5, atol=1e-7)
