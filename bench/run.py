@@ -197,9 +197,17 @@ def compile_times(folder: Path) -> str:
 
 
 def machine() -> str:
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores, {platform.system()}"
+    """The CPU line of the results. A cloud host's model name ("AMD EPYC") can hide a CPU
+    generation: the family, model and widest vector unit tell runs on different hosts apart."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name", platform.processor())
+    if "cpu family" in info:
+        vectors = next((unit for unit in ("avx512f", "avx2") if unit in info.get("flags", "").split()), "no AVX2")
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')}, {vectors})"
+    return f"{name}, {os.cpu_count()} cores, {platform.system()}"
 
 
 HOW_MEASURED = """\
