@@ -123,8 +123,10 @@ def run_worker(python: Path, system: str, task: dict, env: dict | None = None) -
 
 
 def summarize(runs: list[dict]) -> dict:
+    """A system's row from its runs, one per round in round order."""
     times = [t for run in runs for t in run["times"]]
-    return {"median": statistics.median(statistics.median(run["times"]) for run in runs),
+    per_round = [statistics.median(run["times"]) for run in runs]
+    return {"median": statistics.median(per_round), "per_round": per_round,
             "p10": float(np.percentile(times, 10)), "p90": float(np.percentile(times, 90)),
             "rss": statistics.median(run["peak_rss_mb"] for run in runs),
             "first_loss": runs[0]["first_loss"], "note": runs[0].get("note", "")}
@@ -138,12 +140,21 @@ def _jax_reference(system: str, systems: dict[str, dict | str]) -> dict | None:
 
 
 def table(results: dict[str, dict[str, dict | str]]) -> str:
-    """Markdown: one row per model and system, ratios to the references' medians."""
+    """Markdown: one row per model and system, with its ratios to the references."""
     rows = ["| model | system | median ms/step | p10 | p90 | × JAX | × ORT | peak RSS MB | RSS × JAX | RSS × ORT |",
             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(value: float, reference: dict | None, key: str) -> str:
         return f"{value / reference[key]:.2f}" if reference else "—"
+
+    def time_ratio(row: dict, reference: dict | None) -> str:
+        """The median over rounds of the ratio within each round: the two processes of a round
+        run minutes apart at most, so a shared machine's slow and fast spells (which last
+        minutes and move a step's time by up to 1.7x) shift both sides of a ratio alike."""
+        if not reference:
+            return "—"
+        pairs = zip(row["per_round"], reference["per_round"])
+        return f"{statistics.median(mine / theirs for mine, theirs in pairs):.2f}"
 
     for model, systems in results.items():
         ort_row = row if isinstance(row := systems.get("ort-training"), dict) else None
@@ -154,8 +165,8 @@ def table(results: dict[str, dict[str, dict | str]]) -> str:
             jax_row = _jax_reference(system, systems)
             label = f"{system} ({s['note']})" if s["note"] else system
             rows.append(f"| {model} | {label} | {s['median'] * 1e3:.3f} | {s['p10'] * 1e3:.3f} | "
-                        f"{s['p90'] * 1e3:.3f} | {ratio(s['median'], jax_row, 'median')} | "
-                        f"{ratio(s['median'], ort_row, 'median')} | {s['rss']:.0f} | "
+                        f"{s['p90'] * 1e3:.3f} | {time_ratio(s, jax_row)} | "
+                        f"{time_ratio(s, ort_row)} | {s['rss']:.0f} | "
                         f"{ratio(s['rss'], jax_row, 'rss')} | {ratio(s['rss'], ort_row, 'rss')} |")
     return "\n".join(rows)
 
@@ -220,7 +231,9 @@ the same weights and 8 batches (random, seed 0) that `bench/run.py` wrote, runs 
 steps untimed (the first one compiles), then times each step with `time.perf_counter`,
 including feeding a numpy batch and reading the loss back as a Python float.
 **median** is the median over rounds of each process's median step; **p10/p90** are
-percentiles of all timed steps of all rounds; ratios divide medians of this run.
+percentiles of all timed steps of all rounds. **× JAX** and **× ORT** are medians over rounds
+of the ratio within each round (both processes of a round run minutes apart at most, so slow and
+fast spells of the shared machine move both sides alike); **RSS ×** divides medians.
 onnxtrain-step runs the Trainer's default NaN/Inf guard (`nan_policy="raise"`: every bound
 value and the loss checked each step, the state double-buffered so a faulty step changes
 nothing); onnxtrain-step-unchecked (`nan_policy="ignore"`) does the work the other systems do,
