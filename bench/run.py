@@ -210,8 +210,9 @@ def compile_times(folder: Path) -> str:
 def machine() -> str:
     """The CPU line of the results. A cloud host's model name ("AMD EPYC") can hide a CPU
     generation: the family, model and widest vector unit tell runs on different hosts apart."""
+    cpuinfo = Path("/proc/cpuinfo")
     info: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         key, _, value = line.partition(":")
         info.setdefault(key.strip(), value.strip())
     name = info.get("model name", platform.processor())

@@ -50,6 +50,7 @@ def test_time_ratios_pair_the_processes_of_each_round(monkeypatch):
     run = _bench_run_module(monkeypatch)
     onnxtrain_rounds = [1.1, 1.1, 2.2, 2.2, 2.2]
     jax_rounds = [1.0, 1.0, 1.0, 2.0, 2.0]
+
     def runs(rounds):
         return [{"times": [seconds], "peak_rss_mb": 100, "first_loss": 1.0} for seconds in rounds]
 
