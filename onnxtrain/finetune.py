@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from onnxtrain.builder import Trainable, trainable_names
 from onnxtrain.compilation_cache import enable_compilation_cache
+from onnxtrain.compiler_options import training_compiler_options
 from onnxtrain.errors import BindingError, ExportError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Batches, Callback, fit
@@ -97,7 +98,7 @@ class FineTuner:
                                         "fine-tuning step")
         # As in a Trainer's step: no key in or out unless the model draws random numbers.
         self._random = draws_random(self._inference.translated.plan)
-        self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._jitted = jax.jit(self._step, donate_argnums=0, compiler_options=training_compiler_options())
         self._loss_only = jax.jit(self._objective)
 
     @property
