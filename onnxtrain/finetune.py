@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 
 from onnxtrain.builder import Trainable, trainable_names
 from onnxtrain.compilation_cache import enable_compilation_cache
-from onnxtrain.compiler_options import training_compiler_options
 from onnxtrain.errors import BindingError, ExportError, OnnxTrainError, without_jax_notes
 from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Batches, Callback, fit
@@ -32,6 +31,7 @@ from onnxtrain.sharding import placement
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
+from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.graph import draws_random, iter_initializers
 
 # optax is imported where it is used, so `import onnxtrain` stays lighter (~4 MB, ~0.1 s) for
@@ -98,8 +98,8 @@ class FineTuner:
                                         "fine-tuning step")
         # As in a Trainer's step: no key in or out unless the model draws random numbers.
         self._random = draws_random(self._inference.translated.plan)
-        self._jitted = jax.jit(self._step, donate_argnums=0, compiler_options=training_compiler_options())
-        self._loss_only = jax.jit(self._objective)
+        self._jitted = jit_with_options(self._step, donate_argnums=0)
+        self._loss_only = jit_with_options(self._objective)
 
     @property
     def state(self) -> StateView:

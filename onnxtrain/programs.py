@@ -11,7 +11,6 @@ arguments, never baked-in constants, so changing them never recompiles.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain.compiler_options import training_compiler_options
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.fault_check import EvidenceLayout, Faults, any_fault, check, first_fault
 from onnxtrain.feeds import FeedChecker
@@ -30,6 +28,7 @@ from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.training import combined_graph, light_graph, model_of
+from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.graph import any_node, draws_random, initializer_names
 from onnxtrain.translate.model import EagerSignatures, TranslatedModel, static_input_names
 from onnxtrain.translate.node import NodeSpec
@@ -184,10 +183,9 @@ class StepProgram(_Program):
         self._unsettled: list[tuple[int, jax.Array]] = []
         self._calls = itertools.count()
         self._accepting = self._accepting_flag()
-        jit = functools.partial(jax.jit, compiler_options=training_compiler_options())
-        self._jitted = (jit(self._step, donate_argnums=0) if nan_policy == "ignore"
-                        else jit(self._checked_step, donate_argnums=1, keep_unused=True))
-        self._dry_run = jit(self._step)
+        self._jitted = (jit_with_options(self._step, donate_argnums=0) if nan_policy == "ignore"
+                        else jit_with_options(self._checked_step, donate_argnums=1, keep_unused=True))
+        self._dry_run = jit_with_options(self._step)
         plan = self.translated.plan
         self.tail = update_tail(plan, bound)
         given = {*plan.inputs, *plan.constants, *self.translated.params, *self.variables}
@@ -197,10 +195,10 @@ class StepProgram(_Program):
         self._tail_recomputable = placement is DEFAULT_DEVICE and bool(self.tail.nodes)
         self._large: bool | None = None
         self._spare_tail_inputs: dict[str, jax.Array] | None = None
-        self._check_pass = jit(self._checked_tail_inputs, donate_argnums=1, keep_unused=True)
-        self._update_pass = jit(self._tail_update, donate_argnums=0)
-        self._scanned = jit(self._steps, donate_argnums=0)
-        self._link = jit(self._chain_link, donate_argnums=0)
+        self._check_pass = jit_with_options(self._checked_tail_inputs, donate_argnums=1, keep_unused=True)
+        self._update_pass = jit_with_options(self._tail_update, donate_argnums=0)
+        self._scanned = jit_with_options(self._steps, donate_argnums=0)
+        self._link = jit_with_options(self._chain_link, donate_argnums=0)
         self._eager_signatures = EagerSignatures()
 
     def _updates(self, state: dict[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
+from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.graph import (
     Translator,
     evaluate_nodes,
@@ -32,7 +33,7 @@ from onnxtrain.translate.graph import (
 )
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.registry import normalize_domain, resolve
-from onnxtrain.translate.values import NeedsHostValues, to_host
+from onnxtrain.translate.values import NeedsHostValues, is_traced, to_host
 
 logger = logging.getLogger("onnxtrain")
 
@@ -125,7 +126,8 @@ class TranslatedModel:
         translator.check_complete(f"model {self.name!r}")
         self.input_names = [name for name in self.plan.inputs if name not in names]
         self.output_names = list(self.plan.outputs)
-        self._jitted = jax.jit(self._traced)
+        self._jitted = jit_with_options(self._traced)
+        self._jitted_nested = jax.jit(self._traced)
         self._eager_signatures = EagerSignatures()
 
     def _input_values(self, params: Mapping[str, Any], inputs: Mapping[str, Any]) -> list[Any]:
@@ -176,6 +178,19 @@ class TranslatedModel:
                                       "float, which a compiled function cannot return")
         return outputs
 
+    def _compiled(self, params: Mapping[str, Any], inputs: Mapping[str, Any], key: jax.Array | None) -> dict:
+        """The jitted model's outputs. Inside a caller's own jax.jit, grad or vmap, the jit is
+        nested, and JAX refuses compiler options on a nested jit: there it runs without them."""
+        if any(map(is_traced, jax.tree.leaves((params, inputs, key)))):
+            return self._jitted_nested(params, inputs, key)
+        try:
+            return self._jitted(params, inputs, key)
+        except ValueError as error:
+            # Only concrete arguments, yet inside a caller's trace: a closure under jax.jit.
+            if "compiler_options" not in str(error):
+                raise
+        return self._jitted_nested(params, inputs, key)
+
     def __call__(self, params: Mapping[str, Any], inputs: Mapping[str, Any],
                  key: jax.Array | None = None) -> dict[str, Any]:
         """Run the model: compiled once per input signature, eagerly where it must."""
@@ -183,7 +198,7 @@ class TranslatedModel:
             eager = not self.jit or inputs in self._eager_signatures
             if not eager and not _host_only(list(inputs.values())):
                 try:
-                    return self._jitted(params, inputs, key)
+                    return self._compiled(params, inputs, key)
                 except OnnxTrainError as error:
                     raise without_jax_notes(error)
                 except NeedsHostValues as reason:
