@@ -253,7 +253,9 @@ VmHWM from /proc/self/status (median over rounds; not `ru_maxrss`, which on Linu
 below the parent's resident set at fork: 150-190 MB of the JAX-importing `run.py`): ONNX Runtime's process imports no JAX, no torch (its
 training package imports torch only for ORTModule, which the training API does not use).
 The first-step loss of every system on the same batch is compared as a check that they
-train the same model. onnxtrain's persistent compilation cache is off in these runs
+train the same model. onnxtrain compiles its programs with one XLA:CPU option of its own
+(convolutions on XLA's kernels rather than YNNPACK's: `translate/compiler_options.py`); the
+hand-written JAX rows use JAX's defaults, as a plain `jax.jit` does. onnxtrain's persistent compilation cache is off in these runs
 (`ONNXTRAIN_COMPILATION_CACHE=off`), except in the ResNet-18 rows, which measure it.
 
 Adam (lr 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay) is the same update up to where
