@@ -6,15 +6,15 @@ YNNPACK for dots and reductions only.
 
 Measured here (2-core AMD EPYC, AVX-512), each variant against the default, alternating in
 one process:
-- A convolution with its two gradients: 0.43-1.03 the time over 13 shapes (plain, strided,
-  1x1, grouped, depthwise, 7x7 stem, 1-D).
-- A convolution's forward pass alone: 0.53-1.01, except one case at 1.41 (3 to 64 channels,
-  3x3, stride 2, on 112x112).
+- A convolution with its two gradients, over 13 shapes (plain, strided, 1x1, grouped,
+  depthwise, 7x7 stem, 1-D): 0.43-1.03 the time, except one case at 1.10 (3 to 64
+  channels, 3x3, stride 2, on 112x112).
+- A convolution's forward pass alone, over the same shapes: 0.53-1.01, that case 1.41.
 - Training steps: the benchmark CNN 0.86-0.88, ResNet-18 0.93.
 - Forward passes: the benchmark CNN 0.84, ResNet-18 0.88.
 
 Dots stay with YNNPACK. XLA's own kernel for a product with a transposed right operand
-(every input gradient of a MatMul) ran 2-9 times slower, so training steps of models with
+(every input gradient of a MatMul) ran 1.5-9 times slower, so training steps of models with
 512-2048-wide layers took 1.4-2.2 times as long.
 
 The option is experimental in XLA, and this list replaces XLA's default list rather than
