@@ -255,8 +255,9 @@ training package imports torch only for ORTModule, which the training API does n
 The first-step loss of every system on the same batch is compared as a check that they
 train the same model. onnxtrain compiles its programs with one XLA:CPU option of its own
 (convolutions on XLA's kernels rather than YNNPACK's: `translate/compiler_options.py`); the
-hand-written JAX rows use JAX's defaults, as a plain `jax.jit` does. onnxtrain's persistent compilation cache is off in these runs
-(`ONNXTRAIN_COMPILATION_CACHE=off`), except in the ResNet-18 rows, which measure it.
+hand-written JAX rows use JAX's defaults, as a plain `jax.jit` does. onnxtrain's persistent
+compilation cache is off in these runs (`ONNXTRAIN_COMPILATION_CACHE=off`), except in the
+ResNet-18 rows, which measure it.
 
 Adam (lr 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay) is the same update up to where
 eps goes. onnxtrain and the hand-written JAX run ONNX's `ai.onnx.preview.training` Adam:

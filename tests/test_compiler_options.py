@@ -12,9 +12,9 @@ import re
 import jax
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from model_factory import conv_classifier
 from onnxtrain.translate import compiler_options
 
 RNG = np.random.default_rng(0)
@@ -25,13 +25,7 @@ FEEDS = {"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32), "labels": RNG.in
 
 
 def _inference_model():
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
-         helper.make_node("Flatten", ["r"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])],
-        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
-        [numpy_helper.from_array(v, k) for k, v in WEIGHTS.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return conv_classifier(WEIGHTS["C"], WEIGHTS["W"])
 
 
 def _training_model():

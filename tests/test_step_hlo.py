@@ -16,6 +16,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from model_factory import conv_classifier
 
 RNG = np.random.default_rng(0)
 # Three input channels: a 1-channel conv would run as shifted slices, not a convolution op.
@@ -28,13 +29,7 @@ def _counts(hlo: str) -> dict[str, int]:
 
 
 def _onnx_model():
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Tanh", ["c"], ["t"]),
-         helper.make_node("Flatten", ["t"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])],
-        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
-        [numpy_helper.from_array(v, k) for k, v in WEIGHTS.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    model = conv_classifier(WEIGHTS["C"], WEIGHTS["W"], activation="Tanh")
     return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.SGD(lr=0.1))
 
 
