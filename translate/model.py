@@ -179,8 +179,10 @@ class TranslatedModel:
         return outputs
 
     def _compiled(self, params: Mapping[str, Any], inputs: Mapping[str, Any], key: jax.Array | None) -> dict:
-        """The jitted model's outputs. Inside a caller's own jax.jit, grad or vmap, the jit is
-        nested, and JAX refuses compiler options on a nested jit: there it runs without them."""
+        """The jitted model's outputs. JAX refuses compiler options on a jit nested in a caller's
+        jax.jit or grad, under jax.jit only after tracing the model once; so traced arguments
+        (vmap's too, whose batching would accept the options) go straight to a plain jit, and
+        concrete ones inside a caller's trace (a closure under jax.jit) retry on JAX's error."""
         if any(map(is_traced, jax.tree.leaves((params, inputs, key)))):
             return self._jitted_nested(params, inputs, key)
         try:
