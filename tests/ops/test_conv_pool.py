@@ -187,6 +187,18 @@ def test_few_channel_convolutions_are_lowered_by_taps():
     assert "convolution" in lowered(*half)
 
 
+def test_the_taps_loop_reads_each_weight_vector_contiguously():
+    """The fused loop of a taps convolution takes its weights as one (taps, out_channels) array,
+    not as slices of the (O, 1, 3, 3) weights, whose vectors are strided (weights_by_tap). A
+    change in XLA that folds the copy away fails here; re-measure the forward CNN then."""
+    x, w = np.ones((2, 1, 6, 6), np.float32), np.ones((5, 1, 3, 3), np.float32)
+    translated = TranslatedModel(make_model("Conv", [x, w], 17, pads=[1, 1, 1, 1]))
+    program = jax.jit(lambda a, b: translated({}, {"X0": a, "X1": b}, None)).lower(x, w).compile().as_text()
+    loops = [body.strip() for body in program.split("\n\n") if "multiply(" in body]
+    assert loops and all("f32[9,5]" in body.splitlines()[0] for body in loops)
+    assert all("f32[5,1,3,3]" not in body for body in loops)
+
+
 def test_conv_rejects_unknown_auto_pad_and_channel_mismatch():
     x = np.zeros((1, 4, 5, 5), np.float32)
     with pytest.raises(ModelLoadError, match="auto_pad"):
