@@ -129,6 +129,8 @@ CASES = [
     case("MaxPool", distinct(1, 1, 4, 5), kernel_shape=[2, 3], strides=[1, 2], pads=[0, 1, 0, 1]),
     case("MaxPool", distinct(1, 1, 5, 4), variant="ceil", kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
     case("MaxPool", distinct(1, 1, 5, 4), variant="dilated", kernel_shape=[2, 2], dilations=[2, 1]),
+    case("MaxPool", distinct(1, 2, 5, 7), variant="tiling", kernel_shape=[2, 3], strides=[2, 3]),
+    case("MaxPool", distinct(2, 1, 7), variant="tiling-1d", kernel_shape=[3], strides=[3]),
     case("MaxUnpool", rand(1, 1, 2, 2), np.array([[[[0, 3], [9, 14]]]]), kernel_shape=[2, 2], strides=[2, 2]),
     case("AveragePool", rand(1, 2, 4, 4), kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=0),
     case("AveragePool", rand(1, 1, 5, 5), variant="ceil-include-pad", kernel_shape=[2, 2], strides=[2, 2],

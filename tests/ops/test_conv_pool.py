@@ -299,6 +299,31 @@ def test_max_pool_tiling_uses_strided_slices_with_exact_gradient():
     np.testing.assert_array_equal(grad, expected.reshape(x.shape))
 
 
+def test_max_pool_tiling_gradient_goes_to_each_windows_first_maximum():
+    """With ties (ReLU's zeros, saturated values) each window's whole gradient goes to its first
+    maximum, as PyTorch and ONNX Runtime route it; the oracles are hand-derived positions and
+    MaxPool's own Indices output. Forward mode is the transpose of reverse mode."""
+    x = np.array([[[[1, 1, 0, 2, 5, 5, 0],
+                    [1, 0, 2, 2, 5, 5, 9]],
+                   [[0, 0, 3, 1, 7, 7, 0],
+                    [0, 0, 3, 3, 6, 7, 0]]]], np.float32)
+    attributes = dict(kernel_shape=[2, 2], strides=[2, 2])
+    fn = translated("MaxPool", [x], 22, **attributes)
+    pool = lambda v: fn.apply(fn.params, {"X0": v})["Y0"]  # noqa: E731
+    cotangent = np.array([[[[1, 2, 3]], [[4, 5, 6]]]], np.float32)
+    (grad,) = jax.vjp(pool, x)[1](cotangent)
+    expected = np.zeros_like(x)
+    for channel, row, column, value in [(0, 0, 0, 1), (0, 0, 3, 2), (0, 0, 4, 3),
+                                        (1, 0, 0, 4), (1, 0, 2, 5), (1, 0, 4, 6)]:
+        expected[0, channel, row, column] = value
+    np.testing.assert_array_equal(grad, expected)
+    _, indices = run("MaxPool", [x], outputs=2, **attributes)
+    np.testing.assert_array_equal(np.flatnonzero(grad), np.sort(indices.ravel()))
+    tangent = RNG.standard_normal(x.shape).astype(np.float32)
+    forward = jax.jvp(pool, (x,), (tangent,))[1]
+    np.testing.assert_allclose(np.vdot(forward, cotangent), np.vdot(tangent, grad), rtol=1e-6)
+
+
 @pytest.mark.parametrize("shape, attributes", [
     ((1, 2, 7, 6), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], storage_order=1)),
     ((2, 1, 6, 7), dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1, dilations=[2, 1])),

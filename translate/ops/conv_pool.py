@@ -425,19 +425,53 @@ def is_tiling(window: Window) -> bool:
             and all(p == (0, 0) for p in window.pads))
 
 
-def max_of_strided_slices(x: Any, window: Window, outputs: Sequence[int]) -> Any:
-    """Max over tiling windows as an elementwise max of kernel-many strided slices.
-
-    XLA:CPU differentiates this much faster than reduce_window.
-    """
+def tile_slices(x: Any, window: Window, outputs: Sequence[int]) -> list:
+    """For each kernel position, in row-major order, that element of every tiling window:
+    a strided slice of x shaped like the pooled output."""
     pieces = []
     for start in itertools.product(*(range(k) for k in window.kernel)):
         limit = [s + (n - 1) * k + 1 for s, n, k in zip(start, outputs, window.kernel)]
         pieces.append(lax.slice(x, (0, 0) + start, tuple(x.shape[:2]) + tuple(limit), (1, 1) + window.kernel))
+    return pieces
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def max_of_strided_slices(x: Any, window: Window, outputs: tuple[int, ...]) -> Any:
+    """Max over tiling windows as an elementwise max of kernel-many strided slices.
+
+    XLA:CPU differentiates this much faster than reduce_window. Derivatives: see
+    first_maximum_jvp.
+    """
+    pieces = tile_slices(x, window, outputs)
     while len(pieces) > 1:
         pairs = [jnp.maximum(a, b) for a, b in zip(pieces[::2], pieces[1::2])]
         pieces = pairs + pieces[len(pairs) * 2:]
     return pieces[0]
+
+
+def first_maximum_jvp(window: Window, outputs: tuple[int, ...], primals: tuple, tangents: tuple) -> tuple:
+    """Each window passes on the tangent of its first maximum, as PyTorch and ONNX Runtime
+    route MaxPool's gradient and as its Indices output names it (a window holding NaN, whose
+    maximum is NaN, passes on its last element's).
+
+    JAX's derivative of the max of slices splits ties between them instead, and XLA:CPU
+    computes its transpose with every input element re-deriving all of its window's
+    comparisons (and the layer before, when that is fused in). Picked by an index made from
+    the primal, the benchmark CNN's training step took 0.88-0.89 the time; testing for NaN
+    as well cost most of that gain.
+    """
+    (x,), (dx,) = primals, tangents
+    y = max_of_strided_slices(x, window, outputs)
+    pieces = tile_slices(x, window, outputs)
+    first = jnp.full(y.shape, len(pieces) - 1, np.int32)
+    for position in reversed(range(len(pieces) - 1)):
+        first = jnp.where(pieces[position] == y, position, first)
+    picked = [jnp.where(first == position, piece, jnp.zeros_like(piece))
+              for position, piece in enumerate(tile_slices(dx, window, outputs))]
+    return y, functools.reduce(jnp.add, picked)
+
+
+max_of_strided_slices.defjvp(first_maximum_jvp)
 
 
 def window_taps(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -504,7 +538,7 @@ def max_pool(node: Any, x: Any) -> Any:
     """The maximum of each window (padding never wins); optionally the flat index of each maximum."""
     _, window, outputs = pool_window(node, x)
     if is_tiling(window) and not node.output_used(1):
-        y = max_of_strided_slices(x, window, outputs)
+        y = max_of_strided_slices(x, window, tuple(outputs))
     elif set(window.dilations) != {1}:
         # reduce_window has no gradient with window dilation; a max over the patches has.
         y = jnp.max(window_patches(x, window, outputs, lowest(x.dtype)), axis=0)
