@@ -309,7 +309,10 @@ def test_max_pool_tiling_gradient_goes_to_each_windows_first_maximum():
                     [0, 0, 3, 3, 6, 7, 0]]]], np.float32)
     attributes = dict(kernel_shape=[2, 2], strides=[2, 2])
     fn = translated("MaxPool", [x], 22, **attributes)
-    pool = lambda v: fn.apply(fn.params, {"X0": v})["Y0"]  # noqa: E731
+
+    def pool(v):
+        return fn.apply(fn.params, {"X0": v})["Y0"]
+
     cotangent = np.array([[[[1, 2, 3]], [[4, 5, 6]]]], np.float32)
     (grad,) = jax.vjp(pool, x)[1](cotangent)
     expected = np.zeros_like(x)
