@@ -377,6 +377,24 @@ def test_average_pool_counts_match_reference(attributes):
     assert_matches_reference("AveragePool", [x], **attributes)
 
 
+def test_average_pool_tiling_sums_strided_slices():
+    """Windows that tile the input (kernel = stride, no padding) are averaged without
+    reduce_window; values against the reference evaluator, the gradient hand-derived (1/6 on
+    every element a window covers, 0 on the row none does)."""
+    x = RNG.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    attributes = dict(kernel_shape=[2, 3], strides=[2, 3])
+    assert_matches_reference("AveragePool", [x], **attributes)
+    fn = translated("AveragePool", [x], 22, **attributes)
+
+    def total(v):
+        return fn.apply(fn.params, {"X0": v})["Y0"].sum()
+
+    assert "reduce_window" not in str(jax.make_jaxpr(total)(x))
+    expected = np.full(x.shape, 1 / 6, np.float32)
+    expected[:, :, 6] = 0
+    np.testing.assert_allclose(jax.grad(total)(x), expected, rtol=1e-6)
+
+
 def test_average_pool_float16_stays_float16():
     x = RNG.standard_normal((1, 1, 6, 6)).astype(np.float16)
     (y,) = run("AveragePool", [x], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
@@ -389,6 +407,7 @@ def test_average_pool_float16_stays_float16():
 def test_lp_pools_with_other_p_match_reference(p):
     x = RNG.standard_normal((1, 2, 6, 5)).astype(np.float32)
     assert_matches_reference("LpPool", [x], p=p, kernel_shape=[2, 3], strides=[2, 1], pads=[1, 0, 1, 1])
+    assert_matches_reference("LpPool", [x], p=p, kernel_shape=[3, 2], strides=[3, 2])  # tiling
     (y,) = run("GlobalLpPool", [x], p=p)
     expected = (np.abs(x.astype(np.float64)) ** p).sum(axis=(2, 3), keepdims=True) ** (1 / p)
     np.testing.assert_allclose(y, expected, rtol=1e-5)
