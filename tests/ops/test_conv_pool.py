@@ -328,6 +328,27 @@ def test_max_pool_tiling_gradient_goes_to_each_windows_first_maximum():
 
 
 @pytest.mark.parametrize("shape, attributes", [
+    ((2, 2, 7, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ((1, 2, 6, 7), dict(kernel_shape=[3, 2], strides=[1, 2], pads=[1, 0, 2, 1], ceil_mode=1)),
+    ((1, 1, 7, 8), dict(kernel_shape=[2, 3], dilations=[2, 2], pads=[1, 0, 0, 1])),
+    ((2, 3, 9), dict(kernel_shape=[4], strides=[3], auto_pad="SAME_UPPER")),
+    ((1, 1, 4, 5, 6), dict(kernel_shape=[2, 2, 3], strides=[1, 2, 2], pads=[0, 1, 1, 1, 0, 1])),
+])
+def test_max_pool_gradient_reaches_the_element_its_indices_name(shape, attributes):
+    """Any window (overlapping, padded, ceil mode, dilated, 1-D, 3-D), on inputs full of ties:
+    the gradient is the cotangent added up at the positions MaxPool's Indices output names,
+    an independent implementation of "each window's first maximum"."""
+    x = RNG.integers(0, 3, shape).astype(np.float32)
+    fn = translated("MaxPool", [x], 22, **attributes)
+    _, indices = run("MaxPool", [x], outputs=2, **attributes)
+    cotangent = RNG.standard_normal(indices.shape).astype(np.float32)
+    (grad,) = jax.vjp(lambda v: fn.apply(fn.params, {"X0": v})["Y0"], x)[1](cotangent)
+    expected = np.zeros(x.size, np.float32)
+    np.add.at(expected, indices.ravel(), cotangent.ravel())
+    np.testing.assert_allclose(grad, expected.reshape(shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, attributes", [
     ((1, 2, 7, 6), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], storage_order=1)),
     ((2, 1, 6, 7), dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1, dilations=[2, 1])),
     ((1, 2, 5, 4, 6), dict(kernel_shape=[2, 2, 3], strides=[1, 2, 2], pads=[0, 1, 1, 1, 0, 1])),
