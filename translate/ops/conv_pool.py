@@ -388,7 +388,7 @@ def pool_window(node: Any, x: Any) -> tuple[Window, Window, list[int]]:
     """A pooling node's declared window, the same window padded for ceil mode, and its output sizes.
 
     In ceil mode the last, partial windows reach past the declared end pad; the
-    padded window covers them so lax.reduce_window produces every output.
+    padded window covers them so every output is computed.
     """
     sizes = x.shape[2:]
     kernel = node.attr("kernel_shape", None)
@@ -413,12 +413,6 @@ def lowest(dtype: Any) -> Any:
     return -np.inf if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype).min
 
 
-def reduce_windows(x: Any, window: Window, init: Any, computation: Any) -> Any:
-    dims, strides, dilations = full_window(window)
-    return lax.reduce_window(x, np.array(init, x.dtype), computation, dims, strides,
-                             ((0, 0), (0, 0)) + window.pads, window_dilation=dilations)
-
-
 def is_tiling(window: Window) -> bool:
     """Windows that tile the input: kernel == stride, no padding, no dilation."""
     return (window.kernel == window.strides and set(window.dilations) == {1}
@@ -432,7 +426,7 @@ def max_of_windows(x: Any, window: Window, outputs: tuple[int, ...]) -> Any:
     (ResNet-18 inference 0.99 the time); with its derivative (first_maximum_jvp) much faster:
     0.23-0.72 the time on 8x64x56x56 for 3x3 to 7x7 windows, a ResNet-18 training step
     0.93-0.95."""
-    pieces = [tap for _, tap in window_taps(x, window, outputs, lowest(x.dtype))]
+    pieces = window_pieces(x, window, outputs, lowest(x.dtype))
     while len(pieces) > 1:
         pairs = [jnp.maximum(a, b) for a, b in zip(pieces[::2], pieces[1::2])]
         pieces = pairs + pieces[len(pairs) * 2:]
@@ -453,12 +447,12 @@ def first_maximum_jvp(window: Window, outputs: tuple[int, ...], primals: tuple, 
     """
     (x,), (dx,) = primals, tangents
     y = max_of_windows(x, window, outputs)
-    pieces = [tap for _, tap in window_taps(x, window, outputs, lowest(x.dtype))]
+    pieces = window_pieces(x, window, outputs, lowest(x.dtype))
     first = jnp.full(y.shape, len(pieces) - 1, np.int32)
     for position in reversed(range(len(pieces) - 1)):
         first = jnp.where(pieces[position] == y, position, first)
     picked = [jnp.where(first == position, tap, jnp.zeros_like(tap))
-              for position, (_, tap) in enumerate(window_taps(dx, window, outputs, 0))]
+              for position, tap in enumerate(window_pieces(dx, window, outputs, 0))]
     return y, functools.reduce(jnp.add, picked)
 
 
@@ -477,9 +471,14 @@ def window_taps(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> It
                                   (1, 1) + window.strides)
 
 
+def window_pieces(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> list:
+    """window_taps' slices alone, one (N, C, *outputs) array per kernel position."""
+    return [tap for _, tap in window_taps(x, window, outputs, fill)]
+
+
 def window_patches(x: Any, window: Window, outputs: Sequence[int], fill: Any) -> Any:
     """Every window's elements stacked in front: (prod(kernel), N, C, *outputs), padding = fill."""
-    return jnp.stack([tap for _, tap in window_taps(x, window, outputs, fill)])
+    return jnp.stack(window_pieces(x, window, outputs, fill))
 
 
 def window_inputs(window: Window, outputs: Sequence[int], axis: int) -> np.ndarray:
@@ -502,8 +501,9 @@ def tap_positions(window: Window, outputs: Sequence[int], sizes: Sequence[int]) 
     return positions, inside
 
 
-def max_pool_indices(x: Any, window: Window, outputs: Sequence[int], column_major: bool) -> Any:
-    """MaxPool's Indices: the flat index into X of each window's first maximum.
+def max_pool_indices(x: Any, best: Any, window: Window, outputs: Sequence[int], column_major: bool) -> Any:
+    """MaxPool's Indices: the flat index into X of each window's first maximum (`best`, the
+    pooled output).
 
     Spatial offsets are row major, or column major (first axis fastest) when
     storage_order=1; the batch and channel offsets are row major either way.
@@ -516,7 +516,6 @@ def max_pool_indices(x: Any, window: Window, outputs: Sequence[int], column_majo
     for axis in (range(rank) if column_major else reversed(range(rank))):
         flat = flat + positions[axis] * scale
         scale *= sizes[axis]
-    best = jnp.max(patches, axis=0)
     first = jnp.argmax(inside[:, None, None] & (patches == best[None]), axis=0)
     spatial = jnp.asarray(flat.reshape(len(flat), -1))[first.reshape(x.shape[:2] + (-1,)),
                                                        jnp.arange(math.prod(outputs))]
@@ -534,7 +533,7 @@ def max_pool(node: Any, x: Any) -> Any:
     storage_order = node.attr("storage_order", 0)
     if storage_order not in (0, 1):
         raise node.error(f"storage_order must be 0 (row major) or 1 (column major), got {storage_order}")
-    return y, lax.stop_gradient(max_pool_indices(x, window, outputs, bool(storage_order)))
+    return y, lax.stop_gradient(max_pool_indices(x, y, window, outputs, bool(storage_order)))
 
 
 def window_counts(window: Window, outputs: Sequence[int], bounds: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -552,8 +551,10 @@ def window_sums(x: Any, window: Window, outputs: Sequence[int]) -> Any:
     as strided slices, which XLA:CPU runs much faster than reduce_window: the benchmark CNN
     with average pooling took 0.37 the time forward, 0.78-0.81 per training step."""
     if is_tiling(window):
-        return functools.reduce(jnp.add, [tap for _, tap in window_taps(x, window, outputs, 0)])
-    return reduce_windows(x, window, 0, lax.add)
+        return functools.reduce(jnp.add, window_pieces(x, window, outputs, 0))
+    dims, strides, dilations = full_window(window)
+    return lax.reduce_window(x, np.array(0, x.dtype), lax.add, dims, strides,
+                             ((0, 0), (0, 0)) + window.pads, window_dilation=dilations)
 
 
 def accumulation_dtype(dtype: Any) -> Any:
