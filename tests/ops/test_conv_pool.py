@@ -416,6 +416,47 @@ def test_average_pool_tiling_sums_strided_slices():
     np.testing.assert_allclose(jax.grad(total)(x), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("attributes, forward_reduce_windows", [
+    (dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1), 1),
+    (dict(kernel_shape=[3, 3], strides=[3, 3]), 0),
+    (dict(kernel_shape=[2, 3], strides=[1, 1], dilations=[2, 1], pads=[1, 0, 1, 2], count_include_pad=1), 0),
+])
+def test_average_pool_larger_windows_sum_axis_by_axis(attributes, forward_reduce_windows):
+    """Windows with more taps than their sides add up to are summed one axis at a time; those
+    that move by more than 1 and overlap keep reduce_window forward, but not in the gradient.
+    Values against the reference evaluator, the gradient of the sum of all outputs
+    hand-derived: each element gets 1/taps for every window covering it (count_include_pad=1
+    or no padding, so every window divides by its taps)."""
+    x = RNG.standard_normal((2, 3, 7, 8)).astype(np.float32)
+    assert_matches_reference("AveragePool", [x], **attributes)
+    fn = translated("AveragePool", [x], 22, **attributes)
+
+    def total(v):
+        return fn.apply(fn.params, {"X0": v})["Y0"].sum()
+
+    assert str(jax.make_jaxpr(jax.grad(total))(x)).count("reduce_window_sum[") == forward_reduce_windows
+    kernel, strides = attributes["kernel_shape"], attributes["strides"]
+    dilations = attributes.get("dilations", [1, 1])
+    low = attributes.get("pads", [0, 0, 0, 0])[:2]
+    (y,) = run("AveragePool", [x], **attributes)
+    coverage = np.zeros(x.shape[2:])
+    for out_row, out_col in itertools.product(*map(range, y.shape[2:])):
+        for tap_row, tap_col in itertools.product(*map(range, kernel)):
+            row = out_row * strides[0] - low[0] + tap_row * dilations[0]
+            col = out_col * strides[1] - low[1] + tap_col * dilations[1]
+            if 0 <= row < x.shape[2] and 0 <= col < x.shape[3]:
+                coverage[row, col] += 1
+    expected = np.broadcast_to(coverage / np.prod(kernel), x.shape)
+    np.testing.assert_allclose(jax.grad(total)(x), expected, rtol=1e-6)
+
+
+def test_average_and_lp_pool_3d_windows_match_reference():
+    x = RNG.standard_normal((1, 2, 6, 5, 7)).astype(np.float32)
+    assert_matches_reference("AveragePool", [x], kernel_shape=[3, 3, 3], pads=[1, 1, 1, 1, 1, 1])
+    assert_matches_reference("AveragePool", [x], kernel_shape=[3, 2, 2], strides=[2, 2, 3], ceil_mode=1)
+    assert_matches_reference("LpPool", [x], kernel_shape=[2, 3, 3], strides=[1, 2, 2], p=2)
+
+
 def test_average_pool_float16_stays_float16():
     x = RNG.standard_normal((1, 1, 6, 6)).astype(np.float16)
     (y,) = run("AveragePool", [x], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
