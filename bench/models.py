@@ -1,6 +1,7 @@
 """The benchmark models, as ONNX and as hand-written JAX (inference, and training with
 cross-entropy + Adam): the MLP and CNN of shared/docs/performance-anchors.md, a small
-transformer encoder, and ResNet-18 (ONNX only: bench/run.py times its compilation).
+transformer encoder, ResNet-18 (ONNX only: bench/run.py times its compilation) and a
+MobileNetV2-style network of depthwise convolutions (bench/training_step.py).
 
 Both versions share the same weights so their outputs can be checked equal
 before anything is timed.
@@ -224,6 +225,20 @@ def _resnet18_blocks() -> list[tuple[str, int, int, int]]:
     return blocks
 
 
+def _image_classifier(name: str, nodes: list[onnx.NodeProto], features: str, input_shape: tuple[int, ...],
+                      weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The model of `nodes` (input x [batch, *input_shape]) with a head on `features`:
+    global average pool, Gemm to 10 logits."""
+    nodes = [*nodes, helper.make_node("GlobalAveragePool", [features], ["gap"]),
+             helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
+             helper.make_node("Gemm", ["flat", "fc_W", "fc_b"], ["logits"])]
+    graph = helper.make_graph(
+        nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *input_shape])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
 def resnet18_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     """conv 7x7/2 + BN + ReLU + maxpool 3x3/2, 4 stages x 2 basic blocks (64/128/256/512),
     global average pool, Gemm. BatchNorm in inference form, running statistics as Constants."""
@@ -254,14 +269,107 @@ def resnet18_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
         nodes += [helper.make_node("Add", [branch, shortcut], [f"{name}_sum"]),
                   helper.make_node("Relu", [f"{name}_sum"], [f"{name}_out"])]
         h = f"{name}_out"
-    nodes += [helper.make_node("GlobalAveragePool", [h], ["gap"]),
-              helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
-              helper.make_node("Gemm", ["flat", "fc_W", "fc_b"], ["logits"])]
-    graph = helper.make_graph(
-        nodes, "resnet18", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *RESNET18_INPUT])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
-        initializer=[numpy_helper.from_array(v, k) for k, v in weights.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return _image_classifier("resnet18", nodes, h, RESNET18_INPUT, weights)
+
+
+MOBILENET_INPUT = (3, 112, 112)
+# MobileNetV2's inverted residual stages, cut after 96 channels: (expansion, out channels,
+# blocks, first stride). Every block's middle convolution is a 3x3 depthwise one.
+_MOBILENET_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 2, 2), (6, 96, 1, 1))
+_BN_EPSILON = 1e-5
+
+
+def _mobilenet_layers() -> list[tuple[str, int, int, int, int, bool]]:
+    """(name, in channels, out channels, kernel, stride, depthwise) of every convolution, each
+    followed by inference BatchNorm; a block is its layers named <block>_expand, _dw, _project."""
+    layers, inp = [("stem", 3, 32, 3, 2, False)], 32
+    for stage, (expansion, out, blocks, stride) in enumerate(_MOBILENET_STAGES):
+        for index in range(blocks):
+            name, hidden = f"s{stage}b{index}", inp * expansion
+            if expansion != 1:
+                layers.append((f"{name}_expand", inp, hidden, 1, 1, False))
+            layers += [(f"{name}_dw", hidden, hidden, 3, stride if index == 0 else 1, True),
+                       (f"{name}_project", hidden, out, 1, 1, False)]
+            inp = out
+    return layers
+
+
+def mobilenet_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """The MobileNetV2-style model's weights: convolutions (depthwise ones (C, 1, 3, 3)),
+    BatchNorm scale/bias, the 10-class head."""
+    rng = np.random.default_rng(seed)
+    weights: dict[str, np.ndarray] = {}
+    for name, inp, out, k, _, depthwise in _mobilenet_layers():
+        fan_in = (1 if depthwise else inp) * k * k
+        shape = (out, 1 if depthwise else inp, k, k)
+        weights[name] = (rng.standard_normal(shape) * np.sqrt(2 / fan_in)).astype(np.float32)
+        weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
+    weights["fc_W"] = (rng.standard_normal((96, 10)) * np.sqrt(1 / 96)).astype(np.float32)
+    weights["fc_b"] = np.zeros(10, np.float32)
+    return weights
+
+
+def _mobilenet_blocks() -> list[tuple[str, list[tuple[str, int, int, int, int, bool]]]]:
+    """The stem and each inverted residual block with its layers, in order."""
+    blocks: dict[str, list] = {}
+    for layer in _mobilenet_layers():
+        blocks.setdefault(layer[0].split("_")[0], []).append(layer)
+    return list(blocks.items())
+
+
+def _is_residual(block: str, layers: list[tuple[str, int, int, int, int, bool]]) -> bool:
+    """Whether a block adds its input to its output: it keeps channels and resolution."""
+    return block != "stem" and layers[0][1] == layers[-1][2] and all(layer[4] == 1 for layer in layers)
+
+
+def mobilenet_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """Conv + BatchNorm + ReLU6 (Clip 0..6) layers, the projection without ReLU6, a residual
+    Add where a block keeps its shape; global average pool, Gemm."""
+    nodes: list[onnx.NodeProto] = [_constant("zero", np.array(0, np.float32)),
+                                   _constant("six", np.array(6, np.float32))]
+
+    def layer(x: str, name: str, channels: int, k: int, stride: int, depthwise: bool, relu6: bool) -> str:
+        nodes.extend([
+            helper.make_node("Conv", [x, name], [f"{name}_conv"], kernel_shape=[k, k], strides=[stride] * 2,
+                             pads=[k // 2] * 4, group=channels if depthwise else 1),
+            _constant(f"{name}_mean", np.zeros(channels, np.float32)),
+            _constant(f"{name}_var", np.ones(channels, np.float32)),
+            helper.make_node("BatchNormalization", [f"{name}_conv", f"{name}_g", f"{name}_b", f"{name}_mean",
+                                                    f"{name}_var"], [f"{name}_bn"], epsilon=_BN_EPSILON)])
+        if not relu6:
+            return f"{name}_bn"
+        nodes.append(helper.make_node("Clip", [f"{name}_bn", "zero", "six"], [f"{name}_out"]))
+        return f"{name}_out"
+
+    h = "x"
+    for block, layers in _mobilenet_blocks():
+        start = h
+        for name, inp, out, k, stride, depthwise in layers:
+            h = layer(h, name, out, k, stride, depthwise, relu6=not name.endswith("_project"))
+        if _is_residual(block, layers):
+            nodes.append(helper.make_node("Add", [h, start], [f"{block}_sum"]))
+            h = f"{block}_sum"
+    return _image_classifier("mobilenet", nodes, h, MOBILENET_INPUT, weights)
+
+
+def mobilenet_jax(params: dict, x: jax.Array) -> jax.Array:
+    """mobilenet_onnx by hand, the depthwise convolutions as lax's grouped convolution."""
+    def layer(h: jax.Array, name: str, stride: int, depthwise: bool, relu6: bool) -> jax.Array:
+        k = params[name].shape[-1]
+        h = jax.lax.conv_general_dilated(h, params[name], (stride, stride), [(k // 2, k // 2)] * 2,
+                                         feature_group_count=h.shape[1] if depthwise else 1)
+        scale = params[f"{name}_g"] / np.float32(np.sqrt(1 + _BN_EPSILON))
+        h = h * scale[None, :, None, None] + params[f"{name}_b"][None, :, None, None]
+        return jnp.clip(h, 0, 6) if relu6 else h
+
+    h = x
+    for block, layers in _mobilenet_blocks():
+        start = h
+        for name, _, _, _, stride, depthwise in layers:
+            h = layer(h, name, stride, depthwise, relu6=not name.endswith("_project"))
+        if _is_residual(block, layers):
+            h = h + start
+    return jnp.mean(h, axis=(2, 3)) @ params["fc_W"] + params["fc_b"]
 
 
 def for_onnxruntime_training(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -16,9 +16,14 @@ reading it after step() returns; JAX on CPU reads host arguments late), and a fr
 allocated input costs a step more than one that was used before: that row shows how
 much of the gap is that copy (the fresh copy cost the benchmark MLP's hand-written step
 2-3 % in two runs here, onnxtrain ran 1.03-1.04x that row, 1.06x the plain one).
-A full run takes about 1-1.5 minutes on 2 cores (--cnn-calls lowers the CNN's share).
+A third model, MobileNetV2-style (batch 8, 3x112x112, 17 depthwise 3x3 convolutions), checks
+the depthwise lowering against what one writes in JAX: lax's grouped convolution.
 
-Usage: python bench/training_step.py [--rounds 9] [--calls 300] [--cnn-calls 300] [--warmup 50] [--quick]
+A full run takes about 2-2.5 minutes on 2 cores (--cnn-calls and --mobilenet-calls lower
+those models' shares).
+
+Usage: python bench/training_step.py [--rounds 9] [--calls 300] [--cnn-calls 300]
+                                     [--mobilenet-calls 6] [--warmup 50] [--quick]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import models  # noqa: E402
 import onnxtrain  # noqa: E402
 
 BATCH, BATCHES, CHECK_STEPS = 64, 8, 3
+MOBILENET_BATCH, MOBILENET_WARMUP = 8, 3
 
 
 def _median_step_seconds(step, calls: int) -> float:
@@ -63,31 +69,44 @@ class _Stepper:
 
 
 def _check_same(name: str, trainer: onnxtrain.Trainer, ours: _Stepper, theirs: _Stepper,
-                hand: dict) -> None:
-    """CHECK_STEPS steps of each from the same start: same losses, weights, moments, counter."""
+                hand: dict, exact: bool) -> None:
+    """CHECK_STEPS steps of each from the same start: same losses, weights, moments, counter.
+
+    Not `exact` (ReLU6 models): a pre-activation within rounding of a kink can fall on
+    either side in float32 (XLA's kernels and YNNPACK's round differently), which changes
+    that element's gradient outright, and Adam's early steps move a weight by ~lr whatever
+    its gradient's size, so rounding noise in a near-zero gradient moves it by up to 2 lr.
+    Then the first loss (the forward pass) must agree tightly, later losses to 1 %, and each
+    weight to within 2 lr per step; the moments are not compared."""
     losses = [(ours(), theirs()) for _ in range(CHECK_STEPS)]
-    np.testing.assert_allclose(*zip(*losses), rtol=1e-4, err_msg=f"{name} losses")
+    np.testing.assert_allclose(*losses[0], rtol=1e-5, err_msg=f"{name} first loss")
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-4 if exact else 1e-2, err_msg=f"{name} losses")
     worst_loss = max(abs(a - b) / abs(b) for a, b in losses)
     worst_tensor = 0.0
     state = hand["state"]
     for weight in state["params"]:
-        for ours_name, theirs_value in ((weight, state["params"][weight]),
-                                        (f"V_{weight}", state["v"][weight]),
-                                        (f"H_{weight}", state["h"][weight])):
+        pairs = ((weight, state["params"][weight]),)
+        if exact:
+            pairs += ((f"V_{weight}", state["v"][weight]), (f"H_{weight}", state["h"][weight]))
+        for ours_name, theirs_value in pairs:
             actual, expected = np.asarray(trainer.state[ours_name]), np.asarray(theirs_value)
             scale = np.abs(expected).max()
-            np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6 * scale,
-                                       err_msg=f"{name} {ours_name}")
-            worst_tensor = max(worst_tensor, float(np.max(np.abs(actual - expected)) / scale))
+            tolerance = dict(rtol=1e-4, atol=1e-6 * scale) if exact else dict(
+                rtol=0, atol=2 * models.LEARNING_RATE * CHECK_STEPS)
+            np.testing.assert_allclose(actual, expected, **tolerance, err_msg=f"{name} {ours_name}")
+            worst_tensor = max(worst_tensor, float(np.max(np.abs(actual - expected)) / (
+                scale if exact else models.LEARNING_RATE)))
     assert int(trainer.state["T"]) == int(state["t"]) == CHECK_STEPS + 1
+    agreement = (f"weights, V, H and T equal (rtol 1e-4; max |difference| / max |value| {worst_tensor:.1e})"
+                 if exact else f"weights within {2 * CHECK_STEPS} lr (max |difference| {worst_tensor:.1f} lr), "
+                 "T equal; moments not compared")
     print(f"{name:<6} check: {CHECK_STEPS} steps, losses {' '.join(f'{a:.6f}' for a, _ in losses)} "
           f"(onnxtrain) vs {' '.join(f'{b:.6f}' for _, b in losses)} (hand-written), max relative "
-          f"difference {worst_loss:.1e}; weights, V, H and T equal (rtol 1e-4; max |difference| / "
-          f"max |value| {worst_tensor:.1e})")
+          f"difference {worst_loss:.1e}; {agreement}")
 
 
 def compare(name: str, onnx_model, forward, weights, batches, rounds: int, calls: int,
-            warmup: int, nan_policy: str) -> float:
+            warmup: int, nan_policy: str, exact: bool = True) -> float:
     start = time.perf_counter()
     trainer = onnxtrain.Trainer(models.training_onnx(onnx_model), seed=0, nan_policy=nan_policy)
     ours = _Stepper(lambda batch: float(trainer.step(batch)["loss"]), batches)
@@ -102,7 +121,7 @@ def compare(name: str, onnx_model, forward, weights, batches, rounds: int, calls
         return float(loss)
 
     theirs = _Stepper(hand_run, batches)
-    _check_same(name, trainer, ours, theirs, hand)
+    _check_same(name, trainer, ours, theirs, hand, exact)
     theirs_fresh = _Stepper(lambda batch: hand_run({k: np.array(v) for k, v in batch.items()}), batches)
     systems = (ours, theirs, theirs_fresh)
     for _ in range(warmup):
@@ -137,9 +156,9 @@ def compare(name: str, onnx_model, forward, weights, batches, rounds: int, calls
     return ratio
 
 
-def _batches(rng: np.random.Generator, shape: tuple[int, ...]) -> list[dict[str, np.ndarray]]:
-    return [{"x": rng.standard_normal((BATCH, *shape)).astype(np.float32),
-             "labels": rng.integers(0, 10, BATCH).astype(np.int64)} for _ in range(BATCHES)]
+def _batches(rng: np.random.Generator, shape: tuple[int, ...], batch: int = BATCH) -> list[dict[str, np.ndarray]]:
+    return [{"x": rng.standard_normal((batch, *shape)).astype(np.float32),
+             "labels": rng.integers(0, 10, batch).astype(np.int64)} for _ in range(BATCHES)]
 
 
 def main() -> None:
@@ -147,6 +166,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=300, help="timed MLP steps per round")
     parser.add_argument("--cnn-calls", type=int, default=300, help="timed CNN steps per round")
+    parser.add_argument("--mobilenet-calls", type=int, default=6, help="timed MobileNet steps per round")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 20 steps, 5 warm-up")
     parser.add_argument("--nan-policy", default="ignore", choices=("ignore", "skip", "raise"),
@@ -155,9 +175,10 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.rounds, arguments.calls, arguments.cnn_calls, arguments.warmup = 2, 20, 10, 5
+        arguments.mobilenet_calls = 2
     start = time.perf_counter()
     rng = np.random.default_rng(0)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} float32, "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet {MOBILENET_BATCH}) float32, "
           f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
           f"eps {models.ADAM['epsilon']}; Trainer nan_policy={arguments.nan_policy!r}")
     compare("MLP", models.mlp_onnx(models.mlp_weights()), models.mlp_jax, models.mlp_weights(),
@@ -165,6 +186,10 @@ def main() -> None:
     compare("CNN", models.cnn_onnx(models.cnn_weights()), models.cnn_jax, models.cnn_weights(),
             _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
             arguments.warmup, arguments.nan_policy)
+    compare("MobileNet", models.mobilenet_onnx(models.mobilenet_weights()), models.mobilenet_jax,
+            models.mobilenet_weights(), _batches(rng, models.MOBILENET_INPUT, MOBILENET_BATCH),
+            arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, MOBILENET_WARMUP),
+            arguments.nan_policy, exact=False)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

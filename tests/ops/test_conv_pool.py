@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator
 import onnxtrain
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.translate.model import TranslatedModel
-from onnxtrain.translate.ops.conv_pool import TAPS_LIMIT, Window, conv_by_taps, library_conv
+from onnxtrain.translate.ops.conv_pool import TAPS_LIMIT, Window, conv_by_taps, depthwise_conv, library_conv
 
 RNG = np.random.default_rng(0)
 
@@ -126,6 +126,8 @@ def gradient(op_type: str, inputs: list, wrt: int, opset: int = 22, **attributes
     ((2, 2, 7, 6), (4, 2, 3, 2), dict(strides=[2, 3], auto_pad="SAME_UPPER")),
     ((1, 3, 9, 8), (3, 1, 3, 3), dict(group=3, pads=[2, 0, 1, 3], dilations=[2, 1])),
     ((1, 2, 5, 6, 7), (4, 2, 2, 3, 2), dict(auto_pad="VALID", strides=[1, 2, 3])),
+    ((2, 3, 8, 9), (6, 1, 5, 5), dict(group=3, strides=[2, 1], pads=[2, 1, 2, 3])),  # depthwise x2, 5x5
+    ((1, 4, 7, 6, 5), (4, 1, 3, 2, 3), dict(group=4, dilations=[1, 2, 1], auto_pad="SAME_UPPER")),
 ])
 def test_conv_padding_groups_and_dilations_match_reference(shape, kernel, attributes):
     x = RNG.standard_normal(shape).astype(np.float32)
@@ -169,6 +171,78 @@ def test_conv_by_taps_matches_the_library_convolution_in_every_mode(shape, kerne
         np.testing.assert_allclose(*tangents, rtol=1e-10, atol=1e-12)
         hessians = [jax.hessian(lambda b, f=f: jnp.sum(jnp.tanh(f(x, b))))(w) for f in (taps, library)]
         np.testing.assert_allclose(*hessians, rtol=1e-9, atol=1e-12)
+
+
+DEPTHWISE_WINDOWS = [
+    ((2, 3, 9, 8), Window((3, 3), (1, 1), (1, 1), ((1, 1), (1, 1)))),
+    ((1, 4, 9, 10), Window((3, 2), (2, 1), (1, 2), ((2, 0), (1, 3)))),
+    ((2, 2, 11), Window((3,), (2,), (2,), ((1, 2),))),
+    ((1, 2, 4, 5, 6), Window((2, 2, 2), (1, 2, 1), (1, 1, 2), ((0, 1), (1, 0), (1, 1)))),
+    ((1, 2, 7, 6), Window((5, 5), (1, 1), (1, 1), ((2, 2), (2, 2)))),
+]
+
+
+@pytest.mark.parametrize("shape, window", DEPTHWISE_WINDOWS)
+def test_depthwise_convolution_matches_the_library_convolution_in_every_mode(shape, window):
+    """The depthwise primitive against lax's grouped convolution, in float64: values (eager
+    and jitted), reverse derivatives (its own weight gradient), forward derivatives, second
+    derivatives (Hessians in x and in w, a gradient of a gradient), and vmap over inputs,
+    weights or both, with per-example gradients."""
+    channels = shape[1]
+    with jax.enable_x64(True):
+        x, w = RNG.standard_normal(shape), RNG.standard_normal((channels, 1, *window.kernel))
+        cotangent = RNG.standard_normal(library_conv(x, w, window, channels).shape)
+        dx, dw = RNG.standard_normal(shape), RNG.standard_normal(w.shape)
+        xs, ws = RNG.standard_normal((3, *shape)), RNG.standard_normal((3, *w.shape))
+        ours = lambda a, b: depthwise_conv(a, b, window)  # noqa: E731
+        library = lambda a, b: library_conv(a, b, window, channels)  # noqa: E731
+        np.testing.assert_allclose(ours(x, w), library(x, w), rtol=1e-12, atol=1e-12)
+
+        @jax.jit
+        def every_mode(x, w, dx, dw, xs, ws):
+            results = []
+            for conv in (ours, library):
+                results.append([
+                    conv(x, w),
+                    *(jax.grad(lambda a, b: jnp.sum(jnp.sin(conv(a, b)) * cotangent), argnums)(x, w)
+                      for argnums in (0, 1, (0, 1))),
+                    jax.jvp(conv, (x, w), (dx, dw))[1],
+                    *(jax.hessian(lambda a, b: jnp.sum(jnp.tanh(conv(a, b))), argnum)(x, w) for argnum in (0, 1)),
+                    jax.grad(lambda b: jnp.sum(jax.grad(lambda a: jnp.sum(jnp.tanh(conv(a, b))))(x) ** 2))(w),
+                    *(jax.vmap(conv, in_axes=axes)(xs if axes[0] == 0 else x, ws if axes[1] == 0 else w)
+                      for axes in ((0, None), (None, 0), (0, 0))),
+                    *(jax.vmap(jax.grad(lambda a, b: jnp.sum(jnp.sin(conv(a, b))), (0, 1)), in_axes=axes)(
+                        xs if axes[0] == 0 else x, ws if axes[1] == 0 else w)
+                      for axes in ((0, None), (None, 0), (0, 0))),
+                ])
+            return results
+
+        mine, theirs = every_mode(x, w, dx, dw, xs, ws)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), mine, theirs)
+
+
+@pytest.mark.parametrize("channels, multiplier, kernel", [(4, 1, 3), (3, 2, 3), (2, 1, 5)])
+def test_depthwise_convolutions_train_without_a_library_convolution(channels, multiplier, kernel):
+    """A depthwise Conv node (group = input channels, any multiplier and kernel size) runs
+    forward and backward with no convolution op, the weight gradient as one reduction over
+    every tap; gradients match central finite differences."""
+    x = RNG.standard_normal((2, channels, 7, 6))
+    w = RNG.standard_normal((channels * multiplier, 1, kernel, kernel))
+    model = make_model("Conv", [x.astype(np.float32), w.astype(np.float32)], 17, group=channels,
+                       pads=[kernel // 2] * 4)
+    translated = TranslatedModel(model)
+
+    def loss(a, b):
+        return jnp.sum(jnp.tanh(translated({}, {"X0": a, "X1": b}, None)["Y0"]))
+
+    grad = jax.grad(loss, (0, 1))
+    program = str(jax.jit(grad).lower(x.astype(np.float32), w.astype(np.float32)).as_text())
+    assert "convolution" not in program
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, 1))(x.astype(np.float32), w.astype(np.float32)))
+    assert jaxpr.count(" reduce[") == 1 and "reduce_sum" not in jaxpr.split(" reduce[")[1].split("\n")[0]
+    for wrt in (0, 1):
+        analytic, numeric = gradient("Conv", [x, w], wrt, group=channels, pads=[kernel // 2] * 4)
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
 
 
 def test_few_channel_convolutions_are_lowered_by_taps():
