@@ -194,21 +194,40 @@ RESNET18_INPUT = (3, 112, 112)  # with batch 8: ResNet-18's graph at a quarter o
 JAX_FORWARD = {"mlp": mlp_jax, "cnn": cnn_jax, "transformer": transformer_jax}
 
 
+def _conv_bn_weights(weights: dict[str, np.ndarray], rng: np.random.Generator, name: str, out: int,
+                     per_group: int, k: int) -> None:
+    """A convolution's He-initialized (out, per_group, k, k) kernel and its BatchNorm's
+    scale (ones) and bias (zeros), added to `weights`."""
+    weights[name] = (rng.standard_normal((out, per_group, k, k)) * np.sqrt(2 / (per_group * k * k))).astype(np.float32)
+    weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
+
+
+def _conv_bn_nodes(nodes: list[onnx.NodeProto], x: str, name: str, weights: dict[str, np.ndarray],
+                   stride: int, group: int = 1) -> str:
+    """Conv `name` (padded to keep the size at stride 1) then inference BatchNorm with zero
+    mean and unit variance as Constants, appended to `nodes`; the BatchNorm's output."""
+    k, channels = weights[name].shape[-1], weights[name].shape[0]
+    grouping = {"group": group} if group != 1 else {}
+    nodes.extend([
+        helper.make_node("Conv", [x, name], [f"{name}_conv"], kernel_shape=[k, k], strides=[stride] * 2,
+                         pads=[k // 2] * 4, **grouping),
+        _constant(f"{name}_mean", np.zeros(channels, np.float32)),
+        _constant(f"{name}_var", np.ones(channels, np.float32)),
+        helper.make_node("BatchNormalization", [f"{name}_conv", f"{name}_g", f"{name}_b", f"{name}_mean",
+                                                f"{name}_var"], [f"{name}_bn"])])
+    return f"{name}_bn"
+
+
 def resnet18_weights(seed: int = 0) -> dict[str, np.ndarray]:
     """ResNet-18's 11.2 M trainable parameters (convolutions, BatchNorm scale/bias, the head)."""
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
-
-    def conv(name: str, out: int, inp: int, k: int) -> None:
-        weights[name] = (rng.standard_normal((out, inp, k, k)) * np.sqrt(2 / (inp * k * k))).astype(np.float32)
-        weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
-
-    conv("stem", 64, 3, 7)
+    _conv_bn_weights(weights, rng, "stem", 64, 3, 7)
     for name, inp, out, stride in _resnet18_blocks():
-        conv(f"{name}_a", out, inp, 3)
-        conv(f"{name}_b", out, out, 3)
+        _conv_bn_weights(weights, rng, f"{name}_a", out, inp, 3)
+        _conv_bn_weights(weights, rng, f"{name}_b", out, out, 3)
         if stride != 1 or inp != out:
-            conv(f"{name}_down", out, inp, 1)
+            _conv_bn_weights(weights, rng, f"{name}_down", out, inp, 1)
     weights["fc_W"] = (rng.standard_normal((512, 10)) * np.sqrt(1 / 512)).astype(np.float32)
     weights["fc_b"] = np.zeros(10, np.float32)
     return weights
@@ -245,18 +264,10 @@ def resnet18_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     nodes: list[onnx.NodeProto] = []
 
     def conv_bn(x: str, name: str, stride: int, relu: bool) -> str:
-        k = weights[name].shape[-1]
-        channels = weights[name].shape[0]
-        nodes.extend([
-            helper.make_node("Conv", [x, name], [f"{name}_conv"], kernel_shape=[k, k], strides=[stride] * 2,
-                             pads=[k // 2] * 4),
-            _constant(f"{name}_mean", np.zeros(channels, np.float32)),
-            _constant(f"{name}_var", np.ones(channels, np.float32)),
-            helper.make_node("BatchNormalization", [f"{name}_conv", f"{name}_g", f"{name}_b", f"{name}_mean",
-                                                    f"{name}_var"], [f"{name}_bn"])])
+        normalized = _conv_bn_nodes(nodes, x, name, weights, stride)
         if not relu:
-            return f"{name}_bn"
-        nodes.append(helper.make_node("Relu", [f"{name}_bn"], [f"{name}_out"]))
+            return normalized
+        nodes.append(helper.make_node("Relu", [normalized], [f"{name}_out"]))
         return f"{name}_out"
 
     h = conv_bn("x", "stem", 2, relu=True)
@@ -276,7 +287,7 @@ MOBILENET_INPUT = (3, 112, 112)
 # MobileNetV2's inverted residual stages, cut after 96 channels: (expansion, out channels,
 # blocks, first stride). Every block's middle convolution is a 3x3 depthwise one.
 _MOBILENET_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 2, 2), (6, 96, 1, 1))
-_BN_EPSILON = 1e-5
+_BN_EPSILON = 1e-5  # BatchNormalization's default, which mobilenet_onnx leaves in place
 
 
 def _mobilenet_layers() -> list[tuple[str, int, int, int, int, bool]]:
@@ -300,10 +311,7 @@ def mobilenet_weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
     for name, inp, out, k, _, depthwise in _mobilenet_layers():
-        fan_in = (1 if depthwise else inp) * k * k
-        shape = (out, 1 if depthwise else inp, k, k)
-        weights[name] = (rng.standard_normal(shape) * np.sqrt(2 / fan_in)).astype(np.float32)
-        weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
+        _conv_bn_weights(weights, rng, name, out, 1 if depthwise else inp, k)
     weights["fc_W"] = (rng.standard_normal((96, 10)) * np.sqrt(1 / 96)).astype(np.float32)
     weights["fc_b"] = np.zeros(10, np.float32)
     return weights
@@ -328,24 +336,14 @@ def mobilenet_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     nodes: list[onnx.NodeProto] = [_constant("zero", np.array(0, np.float32)),
                                    _constant("six", np.array(6, np.float32))]
 
-    def layer(x: str, name: str, channels: int, k: int, stride: int, depthwise: bool, relu6: bool) -> str:
-        nodes.extend([
-            helper.make_node("Conv", [x, name], [f"{name}_conv"], kernel_shape=[k, k], strides=[stride] * 2,
-                             pads=[k // 2] * 4, group=channels if depthwise else 1),
-            _constant(f"{name}_mean", np.zeros(channels, np.float32)),
-            _constant(f"{name}_var", np.ones(channels, np.float32)),
-            helper.make_node("BatchNormalization", [f"{name}_conv", f"{name}_g", f"{name}_b", f"{name}_mean",
-                                                    f"{name}_var"], [f"{name}_bn"], epsilon=_BN_EPSILON)])
-        if not relu6:
-            return f"{name}_bn"
-        nodes.append(helper.make_node("Clip", [f"{name}_bn", "zero", "six"], [f"{name}_out"]))
-        return f"{name}_out"
-
     h = "x"
     for block, layers in _mobilenet_blocks():
         start = h
-        for name, inp, out, k, stride, depthwise in layers:
-            h = layer(h, name, out, k, stride, depthwise, relu6=not name.endswith("_project"))
+        for name, _, out, _, stride, depthwise in layers:
+            h = _conv_bn_nodes(nodes, h, name, weights, stride, group=out if depthwise else 1)
+            if not name.endswith("_project"):
+                nodes.append(helper.make_node("Clip", [h, "zero", "six"], [f"{name}_out"]))
+                h = f"{name}_out"
         if _is_residual(block, layers):
             nodes.append(helper.make_node("Add", [h, start], [f"{block}_sum"]))
             h = f"{block}_sum"

@@ -16,7 +16,7 @@ reading it after step() returns; JAX on CPU reads host arguments late), and a fr
 allocated input costs a step more than one that was used before: that row shows how
 much of the gap is that copy (the fresh copy cost the benchmark MLP's hand-written step
 2-3 % in two runs here, onnxtrain ran 1.03-1.04x that row, 1.06x the plain one).
-A third model, MobileNetV2-style (batch 8, 3x112x112, 17 depthwise 3x3 convolutions), checks
+A third model, MobileNetV2-style (batch 8, 3x112x112, 9 depthwise 3x3 convolutions), checks
 the depthwise lowering against what one writes in JAX: lax's grouped convolution.
 
 A full run takes about 2-2.5 minutes on 2 cores (--cnn-calls and --mobilenet-calls lower
@@ -181,13 +181,16 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet {MOBILENET_BATCH}) float32, "
           f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
           f"eps {models.ADAM['epsilon']}; Trainer nan_policy={arguments.nan_policy!r}")
-    compare("MLP", models.mlp_onnx(models.mlp_weights()), models.mlp_jax, models.mlp_weights(),
+    weights = models.mlp_weights()
+    compare("MLP", models.mlp_onnx(weights), models.mlp_jax, weights,
             _batches(rng, (784,)), arguments.rounds, arguments.calls, arguments.warmup, arguments.nan_policy)
-    compare("CNN", models.cnn_onnx(models.cnn_weights()), models.cnn_jax, models.cnn_weights(),
+    weights = models.cnn_weights()
+    compare("CNN", models.cnn_onnx(weights), models.cnn_jax, weights,
             _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
             arguments.warmup, arguments.nan_policy)
-    compare("MobileNet", models.mobilenet_onnx(models.mobilenet_weights()), models.mobilenet_jax,
-            models.mobilenet_weights(), _batches(rng, models.MOBILENET_INPUT, MOBILENET_BATCH),
+    weights = models.mobilenet_weights()
+    compare("MobileNet", models.mobilenet_onnx(weights), models.mobilenet_jax,
+            weights, _batches(rng, models.MOBILENET_INPUT, MOBILENET_BATCH),
             arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, MOBILENET_WARMUP),
             arguments.nan_policy, exact=False)
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -228,17 +228,15 @@ def test_depthwise_convolutions_train_without_a_library_convolution(channels, mu
     every tap; gradients match central finite differences."""
     x = RNG.standard_normal((2, channels, 7, 6))
     w = RNG.standard_normal((channels * multiplier, 1, kernel, kernel))
-    model = make_model("Conv", [x.astype(np.float32), w.astype(np.float32)], 17, group=channels,
-                       pads=[kernel // 2] * 4)
-    translated = TranslatedModel(model)
+    single = x.astype(np.float32), w.astype(np.float32)
+    translated = TranslatedModel(make_model("Conv", list(single), 17, group=channels, pads=[kernel // 2] * 4))
 
     def loss(a, b):
         return jnp.sum(jnp.tanh(translated({}, {"X0": a, "X1": b}, None)["Y0"]))
 
-    grad = jax.grad(loss, (0, 1))
-    program = str(jax.jit(grad).lower(x.astype(np.float32), w.astype(np.float32)).as_text())
+    program = str(jax.jit(jax.grad(loss, (0, 1))).lower(*single).as_text())
     assert "convolution" not in program
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss, 1))(x.astype(np.float32), w.astype(np.float32)))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, 1))(*single))
     assert jaxpr.count(" reduce[") == 1 and "reduce_sum" not in jaxpr.split(" reduce[")[1].split("\n")[0]
     for wrt in (0, 1):
         analytic, numeric = gradient("Conv", [x, w], wrt, group=channels, pads=[kernel // 2] * 4)

@@ -168,17 +168,21 @@ def library_conv(x: Any, w: Any, window: Window, group: int) -> Any:
 TAPS_LIMIT = 18
 
 
+def summable_by_taps(x: Any, w: Any) -> bool:
+    """Float32 or float64 inputs and weights of one type: sums of taps in half precision
+    would lose what the library convolution's wider accumulation keeps."""
+    return jnp.result_type(x) in (jnp.float32, jnp.float64) and jnp.result_type(w) == jnp.result_type(x)
+
+
 def uses_taps(x: Any, w: Any, window: Window) -> bool:
-    return (jnp.result_type(x) in (jnp.float32, jnp.float64) and jnp.result_type(w) == jnp.result_type(x)
-            and w.shape[1] * math.prod(window.kernel) <= TAPS_LIMIT)
+    return summable_by_taps(x, w) and w.shape[1] * math.prod(window.kernel) <= TAPS_LIMIT
 
 
 def is_depthwise(x: Any, w: Any, group: int) -> bool:
     """Float convolutions with one input channel per group and several groups (MobileNet's
     and EfficientNet's depthwise layers; any kernel size, any channel multiplier). A single
     group of one channel stays with uses_taps: there the library's derivatives are faster."""
-    return (group > 1 and w.shape[1] == 1 and jnp.result_type(x) in (jnp.float32, jnp.float64)
-            and jnp.result_type(w) == jnp.result_type(x))
+    return group > 1 and w.shape[1] == 1 and summable_by_taps(x, w)
 
 
 def weights_by_tap(w: Any, kernel: Sequence[int]) -> Any:
@@ -208,7 +212,7 @@ def sum_of_tap_products(x: Any, w: Any, window: Window, group: int) -> Any:
     rows = weights_by_tap(w, window.kernel)
     spatial = (None,) * len(outputs)
     total = None
-    for index, (_, tap) in enumerate(window_taps(x, window, outputs, 0)):
+    for index, tap in enumerate(window_pieces(x, window, outputs, 0)):
         for channel, picks in enumerate(inputs):
             picked = tap if picks is None else jnp.take(tap, picks, axis=1)
             term = picked * rows[index * per_group + channel][(None, slice(None), *spatial)]
@@ -273,7 +277,7 @@ def _depthwise_input_cotangent(cotangent: Any, x: Any, w: Any, *, window: Window
 def _depthwise_weight_cotangent(cotangent: Any, x: Any, w: Any, *, window: Window) -> Any:
     """Each tap's weight gradient, sum over batch and space of input slice x cotangent, all
     taps in one reduction."""
-    products = tuple(tap * cotangent for _, tap in window_taps(x, window, cotangent.shape[2:], 0))
+    products = tuple(tap * cotangent for tap in window_pieces(x, window, cotangent.shape[2:], 0))
     zeros = (np.zeros((), cotangent.dtype),) * len(products)
     sums = lax.reduce(products, zeros, lambda a, b: tuple(p + q for p, q in zip(a, b)),
                       (0, *range(2, cotangent.ndim)))
