@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
+from onnxtrain.batch_stacks import StackBuilder
 from onnxtrain.errors import InputError
 from onnxtrain.feeds import owned
 
@@ -59,45 +59,21 @@ def _epoch_batches(batches: Batches) -> Iterable[Feeds]:
 
 def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
     """Lists of `size` batches. A chunk holds batches while the loader makes the next ones, and
-    a loader may refill one buffer for every batch, so each batch of a chunk is copied."""
+    a loader may refill one buffer for every batch, so each batch of a chunk is copied: into
+    the next row of a stacked buffer when it can be (see batch_stacks), else on its own."""
     chunk: list[Feeds] = []
+    builder: StackBuilder | None = None
     for feeds in batches:
-        chunk.append(owned(feeds) if size > 1 and isinstance(feeds, Mapping) else feeds)
+        if size > 1 and isinstance(feeds, Mapping):
+            if builder is None or not builder.accepts(feeds):
+                builder = StackBuilder(feeds, size - len(chunk)) if StackBuilder.stackable(feeds) else None
+            feeds = builder.add(feeds) if builder is not None else owned(feeds)
+        chunk.append(feeds)
         if len(chunk) == size:
             yield chunk
-            chunk = []
+            chunk, builder = [], None
     if chunk:
         yield chunk
-
-
-def _signature(feeds: Feeds) -> tuple:
-    return tuple((name, np.shape(value), getattr(value, "dtype", None)) for name, value in feeds.items())
-
-
-def same_signature_runs(feeds: Sequence[Feeds]) -> list[list[Feeds]]:
-    """Consecutive feeds split into runs of one signature (names, shapes, dtypes)."""
-    runs: list[list[Feeds]] = []
-    last = None
-    for item in feeds:
-        signature = _signature(item)
-        if runs and signature == last:
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-        last = signature
-    return runs
-
-
-def stack(run: Sequence[Feeds]) -> dict[str, Any]:
-    """Feeds of one signature stacked along a new first axis (on the host when they are there)."""
-    on_host = all(isinstance(v, np.ndarray) for feeds in run for v in feeds.values())
-    return {name: (np.stack if on_host else jnp.stack)([feeds[name] for feeds in run]) for name in run[0]}
-
-
-def unstack(stacked: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """stack's inverse: the per-step feeds of feeds stacked along a first axis."""
-    count = len(next(iter(stacked.values())))
-    return [{name: value[index] for name, value in stacked.items()} for index in range(count)]
 
 
 def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches) -> dict[str, float]:

@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from onnxtrain.batch_stacks import unstack
 from onnxtrain.errors import BindingError, InputError, NumericError, OnnxTrainError, without_jax_notes
 from onnxtrain.fault_check import EvidenceLayout, Faults, any_fault, check, first_fault
 from onnxtrain.feeds import FeedChecker
-from onnxtrain.fitting import Stacked, Unsettled, unstack
+from onnxtrain.fitting import Stacked, Unsettled
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain.state.store import StateStore, device_zeros

@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from onnxtrain.batch_stacks import same_signature_runs, stack
 from onnxtrain.compilation_cache import enable_compilation_cache
 from onnxtrain.errors import BindingError, InputError, ModelLoadError
 from onnxtrain.feeds import owned
-from onnxtrain.fitting import Batches, Callback, fit, same_signature_runs, stack
+from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, InitializationProgram, StepProgram, host_copy
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
@@ -223,7 +224,8 @@ class Trainer:
         (see StepProgram.run_many)."""
         program = self._step_program(algorithm)
         place = self._placement
-        # Uncopied: a run of batches is stacked into a new array; a single batch is copied below.
+        # Uncopied: a run of batches is stacked into a new array (or, from fit, rows of one that
+        # holds fit's own copies: see batch_stacks); a single batch is copied below.
         checked = [place.check_batch(program.check_feeds(feeds, copy=False), program.where) for feeds in batches]
         return [program.run_many(self._store, place.place_batch(stack(run), program.where, stacked=True),
                                  settle_later)

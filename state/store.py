@@ -11,7 +11,6 @@ buffers in place. Two consequences shape this class:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,10 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import InputError, ModelLoadError
-
-
-# On CPU, device_put uses host memory aligned to this many bytes in place instead of copying it.
-_ALIGNMENT = 64
+from onnxtrain.host_memory import aligned_host_array
 
 
 def device_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -31,12 +27,8 @@ def device_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
     quick for the persistent cache to keep, which a model with many shapes paid at every start)
     and without writing them: fresh zeroed host memory is mapped by the OS only when first
     written, and on CPU device_put of aligned memory keeps using it. Nothing else holds it."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
     with jax.enable_x64(True):
-        return jax.device_put(raw[start:start + nbytes].view(dtype).reshape(shape)).block_until_ready()
+        return jax.device_put(aligned_host_array(shape, dtype, zeroed=True)).block_until_ready()
 
 
 def _device_array(value: Any) -> jax.Array:
