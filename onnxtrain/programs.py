@@ -464,7 +464,9 @@ class StepProgram(_Program):
     def _linked_step(self, store: StateStore, feeds: dict[str, Any]) -> Unsettled | None:
         """run(settle_later=True) of a checked step: one chain link, so the host does not wait
         for the step's fault flag (a checked single step does, every step); None for a graph
-        that cannot be traced, which run then steps eagerly."""
+        that cannot be traced, which run then steps eagerly. Its outputs are not prefetched
+        (see _prefetch_small): read a step later, they are ready by then, and starting the copy
+        cost 2.5-4.6 % of a benchmark MLP fit step."""
         linked = self._compiled_or_eager(
             feeds, lambda: self._link(store.values, self._key(store), self.constants, feeds, self._accepting),
             lambda: None)
@@ -472,7 +474,6 @@ class StepProgram(_Program):
             return None
         state, key, outputs, faults, self._accepting = linked
         store.commit(state, key)
-        _prefetch_small(outputs)
         return self._settle_later(Unsettled(outputs), faults, later=True)
 
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
