@@ -33,6 +33,7 @@ from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
 from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.graph import draws_random, iter_initializers
+from onnxtrain.translate.layouts import row_major
 
 # optax is imported where it is used, so `import onnxtrain` stays lighter (~4 MB, ~0.1 s) for
 # the many who never fine-tune with it.
@@ -123,6 +124,7 @@ class FineTuner:
         weights = {name: values[name] for name in self.state_names}
         slots = jax.tree_util.tree_unflatten(self._slot_tree, [values[n] for n in self._slot_names])
         loss, grads = jax.value_and_grad(self._objective)(weights, constants, feeds, subkey)
+        grads = {name: row_major(grad) for name, grad in grads.items()}
         import optax
 
         updates, slots = self._optimizer.update(grads, slots, weights)

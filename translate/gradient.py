@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.translate.graph import GraphPlan, NodeGroup, node_reads, run_node
+from onnxtrain.translate.layouts import row_major
 from onnxtrain.translate.node import Evaluation, Node, NodeSpec
 from onnxtrain.translate.registry import TRAINING_DOMAIN, op
 from onnxtrain.translate.values import is_host
@@ -197,7 +198,7 @@ def gradient(node: Node, *inputs: Any) -> tuple[Any, ...]:
         forward = _replayed(node, xs, zs, inputs)
     value, pullback = forward
     (grads,) = pullback(jnp.ones_like(value))
-    return tuple(grads)
+    return tuple(row_major(grad) for grad in grads)
 
 
 def _replayed(node: Node, xs: list[str], zs: list[str], inputs: Sequence[Any]) -> tuple:
