@@ -86,14 +86,18 @@ def strategy(request, monkeypatch):
 MODEL = _model()
 GOOD, BAD = _batch(), _batch(bad=True)
 # (model, convolves, large state: run_many steps one call at a time)
-CHUNKED = {"scanned": (MODEL, False, False), "chained": (_conv_model(), True, False),
-           "one by one": (MODEL, False, True)}
+# (model, convolves, the state-size threshold set to 0 to make steps run checked one by one:
+# a large state's, or one too big to select old-or-new on the device).
+CHUNKED = {"scanned": (MODEL, False, None), "chained": (_conv_model(), True, None),
+           "one by one": (MODEL, False, "LARGE_STATE_BYTES"),
+           "one by one, no select": (MODEL, False, "LINKED_STATE_BYTES"),
+           "chained, no select": (_conv_model(), True, "LINKED_STATE_BYTES")}
 
 
 def _chunked(chunks, monkeypatch):
-    model, conv, large = CHUNKED[chunks]
-    if large:
-        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
+    model, conv, threshold = CHUNKED[chunks]
+    if threshold:
+        monkeypatch.setattr(onnxtrain.programs, threshold, 0)
     return model, conv
 
 

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from model_factory import conv_classifier
+from onnxtrain.translate.compiler_options import jit_with_options
 
 RNG = np.random.default_rng(0)
 # Three input channels: a 1-channel conv would run as shifted slices, not a convolution op.
@@ -120,3 +121,39 @@ def test_forward_pass_through_layer_normalization_is_computed_once():
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     for name, value in new_params.items():
         np.testing.assert_allclose(trainer.state[name], value, rtol=1e-4, atol=1e-6)
+
+
+def _two_conv_model():
+    """x[batch, 3, 6, 6] -> Conv C1 (bias c1) -> Relu -> Conv C2 (bias c2) -> Relu -> Flatten
+    -> MatMul W -> Add B: the backward pass reads C2 and W too (for the gradients below them)."""
+    shapes = {"C1": (4, 3, 3, 3), "c1": (4,), "C2": (4, 4, 3, 3), "c2": (4,), "W": (144, 5), "B": (5,)}
+    weights = {name: RNG.normal(size=shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "C1", "c1"], ["a1"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["a1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "C2", "c2"], ["a2"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["a2"], ["r2"]), helper.make_node("Flatten", ["r2"], ["f"]),
+         helper.make_node("MatMul", ["f", "W"], ["l"]), helper.make_node("Add", ["l", "B"], ["logits"])],
+        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 6, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])],
+        [numpy_helper.from_array(value, name) for name, value in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.Adam(lr=1e-3))
+
+
+def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
+    """fit's steps (run ahead of the host reading their NaN/Inf checks) select old-or-new
+    state into spare buffers and only read the old state. Donating the state instead keeps
+    the new values in scratch memory until the select writes them over the old ones (ResNet-18:
+    175 against 86 MB of scratch, fresh pages every step, 1.16x the time)."""
+    trainer = onnxtrain.Trainer(_two_conv_model())
+    program, store = trainer._steps[0], trainer._store
+    feeds = program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
+                                 "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+    donating = jit_with_options(program._chain_link, donate_argnums=0)
+    with jax.enable_x64(True):
+        ours = program._link.lower(store.values, program._spare_buffers(store.values), None, program.constants,
+                                   feeds, program._accepting).compile()
+        theirs = donating.lower(store.values, None, program.constants, feeds, program._accepting).compile()
+    assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes
+    assert any(alias for alias in re.findall(r"input_output_alias=\{([^}]*)\}", ours.as_text()))
