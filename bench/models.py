@@ -283,11 +283,30 @@ def resnet18_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     return _image_classifier("resnet18", nodes, h, RESNET18_INPUT, weights)
 
 
+def resnet18_jax(params: dict, x: jax.Array) -> jax.Array:
+    """resnet18_onnx by hand, as one writes it in JAX: lax convolutions (NCHW), max pooling
+    with lax.reduce_window."""
+    def conv_bn(h: jax.Array, name: str, stride: int, relu: bool) -> jax.Array:
+        k = params[name].shape[-1]
+        h = jax.lax.conv_general_dilated(h, params[name], (stride, stride), [(k // 2, k // 2)] * 2)
+        scale = params[f"{name}_g"] / np.float32(np.sqrt(1 + _BN_EPSILON))
+        h = h * scale[None, :, None, None] + params[f"{name}_b"][None, :, None, None]
+        return jax.nn.relu(h) if relu else h
+
+    h = conv_bn(x, "stem", 2, relu=True)
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 1, 3, 3), (1, 1, 2, 2), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    for name, _, _, stride in _resnet18_blocks():
+        branch = conv_bn(conv_bn(h, f"{name}_a", stride, relu=True), f"{name}_b", 1, relu=False)
+        shortcut = conv_bn(h, f"{name}_down", stride, relu=False) if f"{name}_down" in params else h
+        h = jax.nn.relu(branch + shortcut)
+    return jnp.mean(h, axis=(2, 3)) @ params["fc_W"] + params["fc_b"]
+
+
 MOBILENET_INPUT = (3, 112, 112)
 # MobileNetV2's inverted residual stages, cut after 96 channels: (expansion, out channels,
 # blocks, first stride). Every block's middle convolution is a 3x3 depthwise one.
 _MOBILENET_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 2, 2), (6, 96, 1, 1))
-_BN_EPSILON = 1e-5  # BatchNormalization's default, which mobilenet_onnx leaves in place
+_BN_EPSILON = 1e-5  # BatchNormalization's default, which _conv_bn_nodes leaves in place
 
 
 def _mobilenet_layers() -> list[tuple[str, int, int, int, int, bool]]:

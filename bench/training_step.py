@@ -17,13 +17,15 @@ allocated input costs a step more than one that was used before: that row shows 
 much of the gap is that copy (the fresh copy cost the benchmark MLP's hand-written step
 2-3 % in two runs here, onnxtrain ran 1.03-1.04x that row, 1.06x the plain one).
 A third model, MobileNetV2-style (batch 8, 3x112x112, 9 depthwise 3x3 convolutions), checks
-the depthwise lowering against what one writes in JAX: lax's grouped convolution.
+the depthwise lowering against what one writes in JAX: lax's grouped convolution. A fourth,
+ResNet-18 (batch 8, 3x112x112), checks a common exported network against lax convolutions and
+lax.reduce_window max pooling.
 
-A full run takes about 2-2.5 minutes on 2 cores (--cnn-calls and --mobilenet-calls lower
-those models' shares).
+A full run takes about 2.5-3 minutes on 2 cores (--cnn-calls, --mobilenet-calls and
+--resnet-calls lower those models' shares).
 
 Usage: python bench/training_step.py [--rounds 9] [--calls 300] [--cnn-calls 300]
-                                     [--mobilenet-calls 6] [--warmup 50] [--quick]
+                                     [--mobilenet-calls 6] [--resnet-calls 6] [--warmup 50] [--quick]
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import models  # noqa: E402
 import onnxtrain  # noqa: E402
 
 BATCH, BATCHES, CHECK_STEPS = 64, 8, 3
-MOBILENET_BATCH, MOBILENET_WARMUP = 8, 3
+# The MobileNet and ResNet-18 rows: their batch, and at most this many warm-up steps.
+IMAGE_BATCH, IMAGE_WARMUP = 8, 3
 
 
 def _median_step_seconds(step, calls: int) -> float:
@@ -72,8 +75,9 @@ def _check_same(name: str, trainer: onnxtrain.Trainer, ours: _Stepper, theirs: _
                 hand: dict, exact: bool) -> None:
     """CHECK_STEPS steps of each from the same start: same losses, weights, moments, counter.
 
-    Not `exact` (ReLU6 models): a pre-activation within rounding of a kink can fall on
-    either side in float32 (XLA's kernels and YNNPACK's round differently), which changes
+    Not `exact` (the image models, deep stacks of ReLU or ReLU6): a pre-activation within
+    rounding of a kink can fall on either side in float32 (XLA's kernels and YNNPACK's
+    round differently, and ResNet-18's max pooling differs in form too), which changes
     that element's gradient outright, and Adam's early steps move a weight by ~lr whatever
     its gradient's size, so rounding noise in a near-zero gradient moves it by up to 2 lr.
     Then the first loss (the forward pass) must agree tightly, later losses to 1 %, and each
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300, help="timed MLP steps per round")
     parser.add_argument("--cnn-calls", type=int, default=300, help="timed CNN steps per round")
     parser.add_argument("--mobilenet-calls", type=int, default=6, help="timed MobileNet steps per round")
+    parser.add_argument("--resnet-calls", type=int, default=6, help="timed ResNet-18 steps per round")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 20 steps, 5 warm-up")
     parser.add_argument("--nan-policy", default="ignore", choices=("ignore", "skip", "raise"),
@@ -175,10 +180,10 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.rounds, arguments.calls, arguments.cnn_calls, arguments.warmup = 2, 20, 10, 5
-        arguments.mobilenet_calls = 2
+        arguments.mobilenet_calls = arguments.resnet_calls = 2
     start = time.perf_counter()
     rng = np.random.default_rng(0)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet {MOBILENET_BATCH}) float32, "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet, ResNet-18 {IMAGE_BATCH}) float32, "
           f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
           f"eps {models.ADAM['epsilon']}; Trainer nan_policy={arguments.nan_policy!r}")
     weights = models.mlp_weights()
@@ -190,9 +195,14 @@ def main() -> None:
             arguments.warmup, arguments.nan_policy)
     weights = models.mobilenet_weights()
     compare("MobileNet", models.mobilenet_onnx(weights), models.mobilenet_jax,
-            weights, _batches(rng, models.MOBILENET_INPUT, MOBILENET_BATCH),
-            arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, MOBILENET_WARMUP),
+            weights, _batches(rng, models.MOBILENET_INPUT, IMAGE_BATCH),
+            arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, IMAGE_WARMUP),
             arguments.nan_policy, exact=False)
+    weights = models.resnet18_weights()
+    compare("ResNet", models.resnet18_onnx(weights), models.resnet18_jax,
+            weights, _batches(rng, models.RESNET18_INPUT, IMAGE_BATCH),
+            arguments.rounds, arguments.resnet_calls, min(arguments.warmup, IMAGE_WARMUP), arguments.nan_policy,
+            exact=False)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
