@@ -202,6 +202,23 @@ def _conv_bn_weights(weights: dict[str, np.ndarray], rng: np.random.Generator, n
     weights[f"{name}_g"], weights[f"{name}_b"] = np.ones(out, np.float32), np.zeros(out, np.float32)
 
 
+_BN_EPSILON = 1e-5  # BatchNormalization's default, which _conv_bn_nodes leaves in place
+
+
+def _conv_bn_jax(params: dict, h: jax.Array, name: str, stride: int, groups: int = 1) -> jax.Array:
+    """_conv_bn_nodes by hand: a lax convolution, then BatchNorm with zero mean, unit variance."""
+    k = params[name].shape[-1]
+    h = jax.lax.conv_general_dilated(h, params[name], (stride, stride), [(k // 2, k // 2)] * 2,
+                                     feature_group_count=groups)
+    scale = params[f"{name}_g"] / np.float32(np.sqrt(1 + _BN_EPSILON))
+    return h * scale[None, :, None, None] + params[f"{name}_b"][None, :, None, None]
+
+
+def _classifier_head_jax(params: dict, features: jax.Array) -> jax.Array:
+    """_image_classifier's head by hand: global average pool, then the 10-class Gemm."""
+    return jnp.mean(features, axis=(2, 3)) @ params["fc_W"] + params["fc_b"]
+
+
 def _conv_bn_nodes(nodes: list[onnx.NodeProto], x: str, name: str, weights: dict[str, np.ndarray],
                    stride: int, group: int = 1) -> str:
     """Conv `name` (padded to keep the size at stride 1) then inference BatchNorm with zero
@@ -287,10 +304,7 @@ def resnet18_jax(params: dict, x: jax.Array) -> jax.Array:
     """resnet18_onnx by hand, as one writes it in JAX: lax convolutions (NCHW), max pooling
     with lax.reduce_window."""
     def conv_bn(h: jax.Array, name: str, stride: int, relu: bool) -> jax.Array:
-        k = params[name].shape[-1]
-        h = jax.lax.conv_general_dilated(h, params[name], (stride, stride), [(k // 2, k // 2)] * 2)
-        scale = params[f"{name}_g"] / np.float32(np.sqrt(1 + _BN_EPSILON))
-        h = h * scale[None, :, None, None] + params[f"{name}_b"][None, :, None, None]
+        h = _conv_bn_jax(params, h, name, stride)
         return jax.nn.relu(h) if relu else h
 
     h = conv_bn(x, "stem", 2, relu=True)
@@ -299,14 +313,13 @@ def resnet18_jax(params: dict, x: jax.Array) -> jax.Array:
         branch = conv_bn(conv_bn(h, f"{name}_a", stride, relu=True), f"{name}_b", 1, relu=False)
         shortcut = conv_bn(h, f"{name}_down", stride, relu=False) if f"{name}_down" in params else h
         h = jax.nn.relu(branch + shortcut)
-    return jnp.mean(h, axis=(2, 3)) @ params["fc_W"] + params["fc_b"]
+    return _classifier_head_jax(params, h)
 
 
 MOBILENET_INPUT = (3, 112, 112)
 # MobileNetV2's inverted residual stages, cut after 96 channels: (expansion, out channels,
 # blocks, first stride). Every block's middle convolution is a 3x3 depthwise one.
 _MOBILENET_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 2, 2), (6, 96, 1, 1))
-_BN_EPSILON = 1e-5  # BatchNormalization's default, which _conv_bn_nodes leaves in place
 
 
 def _mobilenet_layers() -> list[tuple[str, int, int, int, int, bool]]:
@@ -372,11 +385,7 @@ def mobilenet_onnx(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
 def mobilenet_jax(params: dict, x: jax.Array) -> jax.Array:
     """mobilenet_onnx by hand, the depthwise convolutions as lax's grouped convolution."""
     def layer(h: jax.Array, name: str, stride: int, depthwise: bool, relu6: bool) -> jax.Array:
-        k = params[name].shape[-1]
-        h = jax.lax.conv_general_dilated(h, params[name], (stride, stride), [(k // 2, k // 2)] * 2,
-                                         feature_group_count=h.shape[1] if depthwise else 1)
-        scale = params[f"{name}_g"] / np.float32(np.sqrt(1 + _BN_EPSILON))
-        h = h * scale[None, :, None, None] + params[f"{name}_b"][None, :, None, None]
+        h = _conv_bn_jax(params, h, name, stride, h.shape[1] if depthwise else 1)
         return jnp.clip(h, 0, 6) if relu6 else h
 
     h = x
@@ -386,7 +395,7 @@ def mobilenet_jax(params: dict, x: jax.Array) -> jax.Array:
             h = layer(h, name, stride, depthwise, relu6=not name.endswith("_project"))
         if _is_residual(block, layers):
             h = h + start
-    return jnp.mean(h, axis=(2, 3)) @ params["fc_W"] + params["fc_b"]
+    return _classifier_head_jax(params, h)
 
 
 def for_onnxruntime_training(model: onnx.ModelProto) -> onnx.ModelProto:
