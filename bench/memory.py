@@ -7,7 +7,7 @@ one process and saved with external data; a fresh process then loads it into a
 Trainer and takes 3 steps (batch 64), or runs fit over 8 batches with 4 steps per
 call, reporting its peak RSS (VmHWM) against the process's own baseline after
 importing onnxtrain, once per nan_policy:
-"ignore" updates the state in place; "raise" (the default) keeps the step
+"ignore" updates a state this large in place; "raise" (the default) keeps the step
 transactional (a NaN/Inf anywhere leaves the old state), so nothing may be
 written before every new value is known to be finite. For a state this large it
 holds the gradients until then and recomputes the optimizer's update in place,

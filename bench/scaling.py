@@ -77,9 +77,7 @@ def measure(model_name: str, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     program = trainer._steps[0]
     feeds = trainer._placement.place_batch(program.check_feeds(batches[0]), program.where)
-    with jax.enable_x64(True):
-        hlo = program._jitted.lower(trainer._store.values, trainer._store.key, program.constants,
-                                    feeds).compile().as_text()
+    hlo = program.lowered(trainer._store, feeds).compile().as_text()
     return {"devices": jax.device_count(), "step_seconds": statistics.median(times),
             "communication_bytes": communication_bytes(hlo)}
 

@@ -1,9 +1,11 @@
 """finetune: train an inference model's weights with any optax GradientTransformation.
 
 The step is jax.value_and_grad of the translated model plus the loss, then the
-optax update, in one jitted function with the weights and the optimizer's
-state donated. That state (moments, counts, schedule steps) lives in the
-StateStore next to the weights, flattened to arrays, so checkpoints cover it.
+optax update, in one jitted function that reads the weights and the optimizer's
+state and writes the new values into the buffers the step before replaced (see
+spare_buffers; a large or a small state is donated and updated in place). That
+state (moments, counts, schedule steps) lives in the StateStore next to the
+weights, flattened to arrays, so checkpoints cover it.
 The model runs as exported (inference mode: BatchNorm uses its running
 statistics, Dropout is off); make_training_model is the path for training-mode
 semantics and for recipes other runtimes can execute.
@@ -28,6 +30,7 @@ from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, host_copy
 from onnxtrain.proto import ModelProto, ValueInfoProto
 from onnxtrain.sharding import placement
+from onnxtrain.spare_buffers import LARGE_STATE_BYTES, SMALL_STATE_BYTES, SpareBuffers
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
@@ -99,7 +102,11 @@ class FineTuner:
                                         "fine-tuning step")
         # As in a Trainer's step: no key in or out unless the model draws random numbers.
         self._random = draws_random(self._inference.translated.plan)
-        self._jitted = jit_with_options(self._step, donate_argnums=0)
+        self._jitted = jit_with_options(self._spare_step, donate_argnums=1, keep_unused=True)
+        self._in_place = jit_with_options(self._step, donate_argnums=0)
+        self._spare = SpareBuffers(self._placement)
+        size = sum(value.nbytes for value in self._store.values.values())
+        self._updates_in_place = not SMALL_STATE_BYTES <= size < LARGE_STATE_BYTES
         self._loss_only = jit_with_options(self._objective)
 
     @property
@@ -109,7 +116,7 @@ class FineTuner:
 
     @property
     def compilations(self) -> int:
-        return (self._jitted._cache_size() + self._loss_only._cache_size()
+        return (self._jitted._cache_size() + self._in_place._cache_size() + self._loss_only._cache_size()
                 + self._inference.compilations())
 
     def _objective(self, weights: dict[str, jax.Array], constants: dict[str, Any], feeds: dict[str, Any],
@@ -133,14 +140,26 @@ class FineTuner:
         new_values = {**weights, **dict(zip(self._slot_names, new_slots))}
         return self._placement.constrain_state(new_values), key, {"loss": loss}
 
+    def _spare_step(self, values: dict[str, jax.Array], spare: dict[str, jax.Array], key: jax.Array | None,
+                    constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
+        """_step with the new values written into the donated `spare` buffers, never read."""
+        return self._step(values, key, constants, feeds)
+
+    def _run(self, feeds: dict[str, Any]) -> tuple:
+        """(new values, key, outputs) of one step on checked, placed feeds."""
+        old, key = self._store.values, self._store.key if self._random else None
+        if self._updates_in_place:
+            return self._in_place(old, key, self._inference.constants, feeds)
+        values, key, outputs = self._jitted(old, self._spare.take(old, old), key, self._inference.constants, feeds)
+        self._spare.keep_replaced(old, values)
+        return values, key, outputs
+
     def step(self, feeds: Mapping[str, Any]) -> dict[str, jax.Array]:
         """One optimizer step on a batch: the model's inputs plus the label; returns {"loss": ...}."""
         checked = self._placement.place_batch(self._check_feeds(feeds), self._check_feeds.where)
         with jax.enable_x64(True):
             try:
-                values, key, outputs = self._jitted(self._store.values,
-                                                    self._store.key if self._random else None,
-                                                    self._inference.constants, checked)
+                values, key, outputs = self._run(checked)
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
         self._store.commit(values, key)

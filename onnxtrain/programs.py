@@ -2,11 +2,14 @@
 
 Each is translated once, when the Trainer is built (so unknown operators fail
 before anything runs), and compiled once per input signature. A training step
-is one jitted function (state, key, constants, feeds) -> (state, key, outputs)
-with the state donated: XLA writes the new values into the old buffers. Every
-output is computed from the pre-step state; the bound ones are assigned
-together when the step returns. State variables and hyperparameters are
-arguments, never baked-in constants, so changing them never recompiles.
+is one jitted function (state, spare, key, constants, feeds) -> (new values,
+key, outputs, faults) that reads the state and writes the bound variables' new
+values into the donated spare buffers (the ones the previous step replaced), so
+the state takes no fresh memory per step; an unchecked step on a very large or
+a tiny state updates it in place instead (see StepProgram). Every output is
+computed from the pre-step state; the bound ones are assigned together when the
+step returns. State variables and hyperparameters are arguments, never baked-in
+constants, so changing them never recompiles.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from onnxtrain.feeds import FeedChecker
 from onnxtrain.fitting import Stacked, Unsettled
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
+# From LARGE_STATE_BYTES of bound state on, nothing is double-buffered: a checked step checks,
+# then recomputes the update tail in place (StepProgram._check_then_update), an unchecked one
+# updates in place, and run_many steps one call at a time instead of scanning (a scan holds
+# the state twice).
+from onnxtrain.spare_buffers import LARGE_STATE_BYTES, SMALL_STATE_BYTES, SpareBuffers
 from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.training import combined_graph, light_graph, model_of
 from onnxtrain.translate.compiler_options import jit_with_options
@@ -40,10 +48,6 @@ from onnxtrain.update_tail import update_tail
 logger = logging.getLogger("onnxtrain")
 # Outputs up to this many elements are copied to the host while a checked step is read.
 _PREFETCHED_ELEMENTS = 4096
-# From this many bytes of bound state on, a checked step checks, then recomputes the update
-# tail in place (StepProgram._check_then_update) instead of double-buffering the state, and
-# run_many steps one call at a time instead of scanning (a scan holds the state twice).
-LARGE_STATE_BYTES = 256 * 2**20
 # From this many bytes of bound state on, checked steps wait for each step's flag instead of
 # selecting old-or-new on the device (fit's linked steps, run_many's chains and scans): the
 # select is a pass over the state, and waiting costs a step ~0.1 ms. Measured, fit per step
@@ -161,12 +165,17 @@ class StepProgram(_Program):
     new state first, one more pass over every buffer. Scanned steps still select per step, and
     so do linked steps (fit's, whose faults the host reads a step later), into spare buffers.
 
+    Under "ignore" a single step double-buffers the same way, without the check, from
+    SMALL_STATE_BYTES of bound state on: donating the state instead is slower (see
+    spare_buffers). A smaller state is donated and updated in place.
+
     The spare buffers are a second copy of the bound state, too much for a large model (a
     100M-parameter Adam model peaked at 2.1x its state). From LARGE_STATE_BYTES of bound state
-    on (on one device), a checked step runs as two programs instead: the first computes the
-    step and checks it, keeping only what the update tail (see update_tail) reads, such as the
-    gradients; if nothing is faulty, the second recomputes the tail into the donated state.
-    That peaks at the state plus the gradients: 1.52x for the same model.
+    on, an unchecked step updates the donated state in place, and (on one device) a checked
+    step runs as two programs instead: the first computes the step and checks it, keeping
+    only what the update tail (see update_tail) reads, such as the gradients; if nothing is
+    faulty, the second recomputes the tail into the donated state. That peaks at the state
+    plus the gradients: 1.52x for the same model.
     """
 
     def __init__(self, model: ModelProto, index: int, variables: Sequence[str], nan_policy: str = "raise",
@@ -185,14 +194,14 @@ class StepProgram(_Program):
         self.random = draws_random(self.translated.plan)
         self.chained = any_node(self.translated.plan, _loop_averse)
         self._layout = EvidenceLayout((), ())
-        self._spare: dict[str, jax.Array] = {}
+        self._spare = SpareBuffers(placement)
         # Scanned calls whose faults the host has not read yet (see run_many), oldest first,
         # and the flag the next scanned call starts from: False after a fault among them.
         self._unsettled: list[tuple[int, jax.Array]] = []
         self._calls = itertools.count()
         self._accepting = self._accepting_flag()
-        self._jitted = (jit_with_options(self._step, donate_argnums=0) if nan_policy == "ignore"
-                        else jit_with_options(self._checked_step, donate_argnums=1, keep_unused=True))
+        self._jitted = jit_with_options(self._spare_step, donate_argnums=1, keep_unused=True)
+        self._in_place = jit_with_options(self._step, donate_argnums=0)
         self._dry_run = jit_with_options(self._step)
         plan = self.translated.plan
         self.tail = update_tail(plan, bound)
@@ -242,13 +251,14 @@ class StepProgram(_Program):
                 for k, v in new_state.items()}
         return kept, key, returned, faults
 
-    def _checked_step(self, state: dict[str, jax.Array], spare: dict[str, jax.Array], key: jax.Array,
-                      constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
-        """(new values of the bound variables, key, outputs, faults); the new values land in
-        the donated `spare` buffers, which the computation never reads."""
+    def _spare_step(self, state: dict[str, jax.Array], spare: dict[str, jax.Array], key: jax.Array,
+                    constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
+        """(new values of the bound variables, key, outputs, faults or None under "ignore");
+        the new values land in the donated `spare` buffers, which the computation never reads."""
         key, updates, returned, _ = self._outputs(state, key, constants, feeds)
         updates = self.placement.constrain_state(updates)
-        return updates, key, returned, self._faults(updates, returned)
+        faults = None if self.nan_policy == "ignore" else self._faults(updates, returned)
+        return updates, key, returned, faults
 
     def _checked_tail_inputs(self, state: dict[str, jax.Array], spare: dict[str, jax.Array],
                              key: jax.Array | None, constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
@@ -301,35 +311,36 @@ class StepProgram(_Program):
             return False
         return self.nan_policy == "ignore" or self._bound_bytes(store) < LINKED_STATE_BYTES
 
-    def _checked_run(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        lean = self._tail_recomputable and self._large_state(store)
+    def _updates_in_place(self, store: StateStore) -> bool:
+        """Whether a single step donates the state and updates it in place (unchecked steps on
+        a large or a small state; see the class docstring)."""
+        return self.nan_policy == "ignore" and (self._large_state(store) or
+                                                 self._bound_bytes(store) < SMALL_STATE_BYTES)
+
+    def _single_run(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
+        """One step the way its policy and the state's size call for (see the class docstring)."""
+        if self._updates_in_place(store):
+            return self._in_place(store.values, self._key(store), self.constants, feeds)
+        lean = self.nan_policy != "ignore" and self._tail_recomputable and self._large_state(store)
         return (self._check_then_update if lean else self._double_buffered)(store, feeds)
 
     def _spare_buffers(self, old: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Buffers for a call to write the bound variables' new values into: the values the
-        previous such call replaced, zeros where there are none yet."""
-        spare, self._spare = self._spare, {}
-        missing = {k: device_zeros(old[k].shape, old[k].dtype) for k, _ in self.bindings if k not in spare}
-        spare.update(self.placement.place_state(missing))
-        return spare
-
-    def _recycle(self, old: dict[str, jax.Array], updates: dict[str, jax.Array]) -> None:
-        """Keep the values `updates` replaced as the next call's spare buffers. A value passed
-        through unchanged comes back as the very same array: never recycle it."""
-        live = {id(value) for value in updates.values()}
-        self._spare = {k: old[k] for k in updates if id(old[k]) not in live}
+        """Buffers for a call to write the bound variables' new values into."""
+        return self._spare.take(old, self._bound_variables)
 
     def _double_buffered(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
-        """One checked step; returns the state to commit: the new one, or the old one and the
-        faults after a fault. The replaced values become the next step's spare buffers."""
+        """One step into spare buffers; returns the state to commit: the new one, or after a
+        fault the old one and the faults. The replaced values become the next step's spare
+        buffers."""
         old = store.values
         updates, key, outputs, faults = self._jitted(old, self._spare_buffers(old), self._key(store),
                                                      self.constants, feeds)
-        _prefetch_small(outputs)
-        if any_fault(faults):
-            self._spare = updates
-            return old, key, outputs, faults
-        self._recycle(old, updates)
+        if faults is not None:
+            _prefetch_small(outputs)
+            if any_fault(faults):
+                self._spare.keep(updates)
+                return old, key, outputs, faults
+        self._spare.keep_replaced(old, updates)
         return {**old, **updates}, key, outputs, None
 
     def _chain_link(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
@@ -357,7 +368,7 @@ class StepProgram(_Program):
         old = store.values
         updates, key, outputs, faults, accepting = self._link(old, self._spare_buffers(old), key, self.constants,
                                                               feeds, accepting)
-        self._recycle(old, updates)
+        self._spare.keep_replaced(old, updates)
         return {**old, **updates}, key, outputs, faults, accepting
 
     def _steps(self, state: dict[str, jax.Array], key: jax.Array | None, constants: dict[str, Any],
@@ -485,10 +496,7 @@ class StepProgram(_Program):
                 return linked
         self.settle()
         state, key, outputs, faults = self._compiled_or_eager(
-            feeds,
-            lambda: (self._jitted(store.values, self._key(store), self.constants, feeds)
-                     if self.nan_policy == "ignore" else self._checked_run(store, feeds)),
-            lambda: self._eager_step(store, feeds))
+            feeds, lambda: self._single_run(store, feeds), lambda: self._eager_step(store, feeds))
         self._settle(store, state, key, faults, step)
         return outputs
 
@@ -523,6 +531,17 @@ class StepProgram(_Program):
         store.commit(state, key)
         return self._settle_later(Unsettled(outputs), faults, later=True)
 
+    def lowered(self, store: StateStore, feeds: dict[str, Any]) -> jax.stages.Lowered:
+        """The single step run() compiles for `feeds` (checked and placed), lowered but not run:
+        for reading its HLO and shardings. Not for a checked step on a large state, which runs
+        as two programs."""
+        values, key = store.values, self._key(store)
+        with jax.enable_x64(True):
+            if self._updates_in_place(store):
+                return self._in_place.lower(values, key, self.constants, feeds)
+            spare = {name: values[name] for name in self._bound_variables}
+            return self._jitted.lower(values, spare, key, self.constants, feeds)
+
     def evaluate(self, store: StateStore, feeds: dict[str, Any]) -> dict[str, Any]:
         """The step's unbound outputs from the current state, which stays untouched."""
         return self._compiled_or_eager(
@@ -543,7 +562,7 @@ class StepProgram(_Program):
         return (dict(store.values), key, returned, faults) if any_fault(faults) else (new_state, key, returned, None)
 
     def compilations(self) -> int:
-        return sum(f._cache_size() for f in (self._jitted, self._dry_run, self._scanned, self._link,
+        return sum(f._cache_size() for f in (self._jitted, self._in_place, self._dry_run, self._scanned, self._link,
                                               self._check_pass, self._update_pass))
 
 

@@ -121,8 +121,7 @@ def annotated() -> dict:
         trainer.infer({"x": feeds[0]["x"]})
     program = trainer._steps[0]
     placed = trainer._placement.place_batch(program.check_feeds(feeds[0]), program.where)
-    with jax.enable_x64(True):
-        lowered = program._jitted.lower(trainer._store.values, trainer._store.key, program.constants, placed)
+    lowered = program.lowered(trainer._store, placed)
     compiled = lowered.compile()
     state_shardings = compiled.input_shardings[0][0]
     return {

@@ -44,18 +44,14 @@ def _ynn_kernels(hlo: str) -> list[list[str]]:
 
 def _trainer_step_hlo(nan_policy: str) -> str:
     trainer = onnxtrain.Trainer(_training_model(), nan_policy=nan_policy)
-    program, store = trainer._steps[0], trainer._store
-    spare = {name: store.values[name] for name, _ in program.bindings}
-    state = (store.values,) if nan_policy == "ignore" else (store.values, spare)
-    with jax.enable_x64(True):
-        return program._jitted.lower(*state, program._key(store), program.constants,
-                                     program.check_feeds(FEEDS)).compile().as_text()
+    program = trainer._steps[0]
+    return program.lowered(trainer._store, program.check_feeds(FEEDS)).compile().as_text()
 
 
 def _finetuner_step_hlo() -> str:
     tuner = onnxtrain.finetune(_inference_model(), loss="cross_entropy")
     with jax.enable_x64(True):
-        return tuner._jitted.lower(tuner._store.values, None, tuner._inference.constants,
+        return tuner._jitted.lower(tuner._store.values, tuner._store.values, None, tuner._inference.constants,
                                    tuner._check_feeds(FEEDS)).compile().as_text()
 
 

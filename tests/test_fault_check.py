@@ -115,7 +115,9 @@ def _kernels(hlo: str) -> int:
 def test_the_check_adds_a_kernel_per_big_value_and_three_in_all():
     """On XLA:CPU each kernel costs a launch per step and resident code: the checked step of
     an MLP adds one matrix-vector product per big watched value (weights and Adam moments of
-    the 784x256 layer), then the copy of the small ones, the reduction and the flag."""
+    the 784x256 layer), then six: the zero vector, the copy of the small values, the
+    reduction, the flag, and two where XLA splits the loss, which the check reads too, into
+    more kernels. (Both steps write into spare buffers, so the difference is the check.)"""
     rng = np.random.default_rng(4)
     weights = {"W1": rng.normal(size=(784, 256)) * 0.05, "B1": np.zeros(256), "W2": rng.normal(size=(256, 10)) * 0.05,
                "B2": np.zeros(10)}
@@ -134,11 +136,8 @@ def test_the_check_adds_a_kernel_per_big_value_and_three_in_all():
     for policy in ("raise", "ignore"):
         trainer = onnxtrain.Trainer(model, nan_policy=policy)
         trainer.step(feeds)
-        program, store = trainer._steps[0], trainer._store
-        checked = program.check_feeds(feeds)
-        with jax.enable_x64(True):
-            args = ((store.values, program._spare) if policy == "raise" else (store.values,))
-            lowered = program._jitted.lower(*args, program._key(store), program.constants, checked)
+        program = trainer._steps[0]
+        lowered = program.lowered(trainer._store, program.check_feeds(feeds))
         kernels[policy] = _kernels(lowered.compile().as_text())
     big_values = 3  # W1 and its two Adam moments
-    assert kernels["raise"] - kernels["ignore"] <= big_values + 3, kernels
+    assert kernels["raise"] - kernels["ignore"] <= big_values + 6, kernels

@@ -11,6 +11,7 @@ freeze_batchnorm: on running statistics (torch's eval mode).
 from __future__ import annotations
 
 import functools
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,31 @@ def test_optax_adamw_with_cosine_schedule_fine_tunes_the_cnn_without_recompiling
     assert tuner.compilations == compiled
     assert history["epoch_loss"][-1] < 0.5 * before
     assert len(history["loss"]) == 60
+
+
+def test_fine_tuning_double_buffers_the_state_or_updates_it_in_place(monkeypatch):
+    """A fine-tuning step only reads the weights and optimizer state and writes the new values
+    into the buffers the step before replaced; a large or small state (this one, unless the
+    threshold is lowered) is donated and updated in place instead (see onnxtrain.spare_buffers).
+    Oracles: each other's losses and weights, and the donated buffers JAX deleted."""
+    model, _ = fixture("cnn")
+    with np.load(Path(__file__).resolve().parent / "fixtures" / "digits.npz") as digits:
+        batches = [{"x": digits["images"][i:i + 16], "labels": digits["labels"][i:i + 16]} for i in range(0, 64, 16)]
+    in_place = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
+    # onnxtrain.finetune is the function; its module is where the threshold is read.
+    monkeypatch.setattr(importlib.import_module("onnxtrain.finetune"), "SMALL_STATE_BYTES", 0)
+    double_buffered = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
+    replaced = []
+    for batch in batches:
+        before, before_in_place = list(double_buffered._store.values.values()), list(in_place._store.values.values())
+        np.testing.assert_allclose(float(double_buffered.step(batch)["loss"]), float(in_place.step(batch)["loss"]),
+                                   rtol=1e-6)
+        assert not any(value.is_deleted() for value in before)
+        assert all(value.is_deleted() for value in replaced)
+        assert all(value.is_deleted() for value in before_in_place)
+        replaced = before
+    for name in double_buffered.state_names:
+        np.testing.assert_allclose(np.asarray(in_place.state[name]), np.asarray(double_buffered.state[name]),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    assert (double_buffered._jitted._cache_size(), double_buffered._in_place._cache_size()) == (1, 0)
+    assert (in_place._jitted._cache_size(), in_place._in_place._cache_size()) == (0, 1)

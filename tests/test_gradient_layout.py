@@ -46,15 +46,13 @@ def _trainer_hlo() -> str:
                                           optimizer=onnxtrain.optim.Adam(lr=1e-3))
     trainer = onnxtrain.Trainer(model, nan_policy="ignore")
     program = trainer._steps[0]
-    with jax.enable_x64(True):
-        return program._jitted.lower(trainer._store.values, program._key(trainer._store), program.constants,
-                                     program.check_feeds(FEEDS)).compile().as_text()
+    return program.lowered(trainer._store, program.check_feeds(FEEDS)).compile().as_text()
 
 
 def _finetuner_hlo() -> str:
     tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), optimizer=optax.adam(1e-3))
     with jax.enable_x64(True):
-        return tuner._jitted.lower(tuner._store.values, None, tuner._inference.constants,
+        return tuner._jitted.lower(tuner._store.values, tuner._store.values, None, tuner._inference.constants,
                                    tuner._check_feeds(FEEDS)).compile().as_text()
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+import onnxtrain.programs
 from model_factory import conv_classifier
 from onnxtrain.translate.compiler_options import jit_with_options
 
@@ -53,9 +54,7 @@ def _step_hlo(trainer: onnxtrain.Trainer, feeds: dict) -> str:
     """The optimized HLO of the trainer's step. Trainers here use nan_policy "ignore": the
     hand-written step has no NaN/Inf check, whose zero matrix-vector products add dots."""
     program = trainer._steps[0]
-    with jax.enable_x64(True):
-        return program._jitted.lower(trainer._store.values, program._key(trainer._store), program.constants,
-                                     program.check_feeds(feeds)).compile().as_text()
+    return program.lowered(trainer._store, program.check_feeds(feeds)).compile().as_text()
 
 
 def test_forward_pass_is_computed_once_per_step():
@@ -157,3 +156,21 @@ def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
         theirs = donating.lower(store.values, None, program.constants, feeds, program._accepting).compile()
     assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes
     assert any(alias for alias in re.findall(r"input_output_alias=\{([^}]*)\}", ours.as_text()))
+
+
+def test_unchecked_steps_write_into_spare_buffers_and_need_less_scratch(monkeypatch):
+    """Under nan_policy "ignore" a step (on a state of SMALL_STATE_BYTES or more) reads the
+    state and writes the new values into spare buffers. Donating the state instead, XLA keeps
+    copies of the weights the backward pass reads in scratch memory next to the gradients
+    (ResNet-18: 134 against 48 MB of scratch, fresh pages every step, 1.2x the time)."""
+    monkeypatch.setattr(onnxtrain.programs, "SMALL_STATE_BYTES", 0)
+    trainer = onnxtrain.Trainer(_two_conv_model(), nan_policy="ignore")
+    program, store = trainer._steps[0], trainer._store
+    feeds = program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
+                                 "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+    ours = program.lowered(store, feeds).compile()
+    with jax.enable_x64(True):
+        theirs = program._in_place.lower(store.values, None, program.constants, feeds).compile()
+    assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes
+    assert re.findall(r"copy\(%state__\w+__", theirs.as_text())
+    assert not re.findall(r"copy\(%state__\w+__", ours.as_text())

@@ -1,4 +1,5 @@
-"""The update tail (onnxtrain.update_tail) and the checked step that recomputes it in place.
+"""The update tail (onnxtrain.update_tail), the checked step that recomputes it in place, and
+the unchecked step that updates a large state in place.
 
 Oracles: the structure of the graphs (which node is the optimizer, which values are the
 Gradient node's outputs); the double-buffered checked step, which computes every new value
@@ -73,26 +74,31 @@ def test_values_something_else_uses_stay_out_of_the_tail():
     assert shared.reads == ("W", "delta", "g.sum", "n")
 
 
-def _trainers(monkeypatch, model, feeds):
-    """A Trainer whose checked steps double-buffer and one that checks, then updates in place
-    (a program picks its way at its first step), each after a step on `feeds`."""
-    double_buffered = onnxtrain.Trainer(model, seed=5)
+def _large(trainer):
+    """`trainer`, its step program taking the state for a large one (see LARGE_STATE_BYTES)
+    whatever its size; other trainers keep the real threshold."""
+    trainer._steps[0]._large_state = lambda store: True
+    return trainer
+
+
+def _trainers(model, feeds):
+    """A Trainer whose checked steps double-buffer and one that checks, then updates in place,
+    each after a step on `feeds`."""
+    double_buffered, lean = onnxtrain.Trainer(model, seed=5), _large(onnxtrain.Trainer(model, seed=5))
     first = float(double_buffered.step(feeds)["loss"])
-    monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
-    lean = onnxtrain.Trainer(model, seed=5)
     np.testing.assert_allclose(float(lean.step(feeds)["loss"]), first, rtol=1e-6)
     assert lean._steps[0]._check_pass._cache_size() == 1
     assert double_buffered._steps[0]._check_pass._cache_size() == 0
     return double_buffered, lean
 
 
-def test_check_then_update_follows_the_double_buffered_step_with_random_ops(monkeypatch):
+def test_check_then_update_follows_the_double_buffered_step_with_random_ops():
     """Same losses (dropout masks included) and state; the recomputed tail may round in a
     different fusion, hence the tolerance of a few float32 ulps."""
     model = onnxtrain.make_training_model(_inference_model(dropout=True), loss="mse",
                                           optimizer=onnxtrain.optim.Adam(lr=0.05))
     batches = _feeds(6)
-    double_buffered, lean = _trainers(monkeypatch, model, batches[0])
+    double_buffered, lean = _trainers(model, batches[0])
     assert lean._steps[0].random
     for feeds in batches[1:]:
         np.testing.assert_allclose(float(lean.step(feeds)["loss"]), float(double_buffered.step(feeds)["loss"]),
@@ -100,12 +106,13 @@ def test_check_then_update_follows_the_double_buffered_step_with_random_ops(monk
     for name in lean.state_names:
         np.testing.assert_allclose(np.asarray(lean.state[name]), np.asarray(double_buffered.state[name]),
                                    rtol=1e-6, atol=1e-7, err_msg=name)
+    assert double_buffered._steps[0]._check_pass._cache_size() == 0
 
 
-def test_check_then_update_writes_in_place_and_compiles_once(monkeypatch):
+def test_check_then_update_writes_in_place_and_compiles_once():
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
     feeds = _feeds(4)
-    _, trainer = _trainers(monkeypatch, model, feeds[0])
+    _, trainer = _trainers(model, feeds[0])
     program = trainer._steps[0]
     for batch in feeds[1:]:
         before = dict(trainer._store.values)
@@ -118,14 +125,53 @@ def test_check_then_update_writes_in_place_and_compiles_once(monkeypatch):
 
 
 @pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
-def test_fit_on_a_large_state_steps_one_call_at_a_time(monkeypatch, nan_policy):
+def test_fit_on_a_large_state_steps_one_call_at_a_time(nan_policy):
     """No scan (it would hold the state twice); the same history as single steps."""
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
     batches = _feeds(6)
     single = onnxtrain.Trainer(model, nan_policy=nan_policy)
     losses = [float(single.step(feeds)["loss"]) for feeds in batches]
-    monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
-    chunked = onnxtrain.Trainer(model, nan_policy=nan_policy)
+    chunked = _large(onnxtrain.Trainer(model, nan_policy=nan_policy))
     history = chunked.fit(batches, progress=False, steps_per_call=4)
     np.testing.assert_allclose(history["loss"], losses, rtol=1e-6)
     assert chunked._steps[0]._scanned._cache_size() == 0
+
+
+def test_unchecked_steps_double_buffer_or_update_in_place_with_the_same_history():
+    """Under "ignore" a double-buffered step only reads the state and writes the new values
+    into the buffers the step before replaced; an in-place one (this small state's) updates
+    the donated state."""
+    model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
+    double_buffered = onnxtrain.Trainer(model, nan_policy="ignore")
+    double_buffered._steps[0]._updates_in_place = lambda store: False
+    in_place = onnxtrain.Trainer(model, nan_policy="ignore")
+    bound = [name for name, _ in double_buffered._steps[0].bindings]
+    replaced = {}
+    for feeds in _feeds(5):
+        before, before_in_place = dict(double_buffered._store.values), dict(in_place._store.values)
+        np.testing.assert_allclose(float(double_buffered.step(feeds)["loss"]), float(in_place.step(feeds)["loss"]),
+                                   rtol=1e-6)
+        assert not any(before[name].is_deleted() for name in bound)
+        assert all(value.is_deleted() for value in replaced.values())
+        assert all(before_in_place[name].is_deleted() for name in bound)
+        replaced = {name: before[name] for name in bound}
+    for name in double_buffered.state_names:
+        np.testing.assert_allclose(np.asarray(in_place.state[name]), np.asarray(double_buffered.state[name]),
+                                   rtol=1e-6, atol=1e-7, err_msg=name)
+    program, small = double_buffered._steps[0], in_place._steps[0]
+    assert (program._jitted._cache_size(), program._in_place._cache_size()) == (1, 0)
+    assert (small._jitted._cache_size(), small._in_place._cache_size()) == (0, 1)
+
+
+@pytest.mark.parametrize("nan_policy", ["ignore", "raise"])
+def test_unchecked_steps_update_small_and_large_states_in_place(monkeypatch, nan_policy):
+    """Below SMALL_STATE_BYTES and from LARGE_STATE_BYTES of bound state on, an unchecked step
+    updates in place, double-buffers between; a checked one never updates in place."""
+    model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
+    trainer = onnxtrain.Trainer(model, nan_policy=nan_policy)
+    program, store = trainer._steps[0], trainer._store
+    size = program._bound_bytes(store)
+    for small, large, in_place in ((size + 1, size + 2, True), (size, size + 1, False), (0, size, True)):
+        monkeypatch.setattr(onnxtrain.programs, "SMALL_STATE_BYTES", small)
+        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", large)
+        assert program._updates_in_place(store) == (in_place and nan_policy == "ignore"), (small, large)
