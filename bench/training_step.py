@@ -26,6 +26,7 @@ A full run takes about 2.5-3 minutes on 2 cores (--cnn-calls, --mobilenet-calls 
 
 Usage: python bench/training_step.py [--rounds 9] [--calls 300] [--cnn-calls 300]
                                      [--mobilenet-calls 6] [--resnet-calls 6] [--warmup 50] [--quick]
+                                     [--models mlp,cnn,mobilenet,resnet]
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import models  # noqa: E402
 import onnxtrain  # noqa: E402
 
 BATCH, BATCHES, CHECK_STEPS = 64, 8, 3
+MODELS = ("mlp", "cnn", "mobilenet", "resnet")
 # The MobileNet and ResNet-18 rows: their batch, and at most this many warm-up steps.
 IMAGE_BATCH, IMAGE_WARMUP = 8, 3
 
@@ -177,7 +179,11 @@ def main() -> None:
     parser.add_argument("--nan-policy", default="ignore", choices=("ignore", "skip", "raise"),
                         help="the Trainer's NaN guard; 'ignore' (default) matches the hand-written "
                              "step, which has none; 'raise' is the Trainer's default")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"rows to run, comma-separated: {', '.join(MODELS)}")
     arguments = parser.parse_args()
+    chosen = arguments.models.split(",")
+    if unknown := sorted(set(chosen) - set(MODELS)):
+        parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     if arguments.quick:
         arguments.rounds, arguments.calls, arguments.cnn_calls, arguments.warmup = 2, 20, 10, 5
         arguments.mobilenet_calls = arguments.resnet_calls = 2
@@ -186,23 +192,27 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet, ResNet-18 {IMAGE_BATCH}) float32, "
           f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
           f"eps {models.ADAM['epsilon']}; Trainer nan_policy={arguments.nan_policy!r}")
-    weights = models.mlp_weights()
-    compare("MLP", models.mlp_onnx(weights), models.mlp_jax, weights,
-            _batches(rng, (784,)), arguments.rounds, arguments.calls, arguments.warmup, arguments.nan_policy)
-    weights = models.cnn_weights()
-    compare("CNN", models.cnn_onnx(weights), models.cnn_jax, weights,
-            _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
-            arguments.warmup, arguments.nan_policy)
-    weights = models.mobilenet_weights()
-    compare("MobileNet", models.mobilenet_onnx(weights), models.mobilenet_jax,
-            weights, _batches(rng, models.MOBILENET_INPUT, IMAGE_BATCH),
-            arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, IMAGE_WARMUP),
-            arguments.nan_policy, exact=False)
-    weights = models.resnet18_weights()
-    compare("ResNet", models.resnet18_onnx(weights), models.resnet18_jax,
-            weights, _batches(rng, models.RESNET18_INPUT, IMAGE_BATCH),
-            arguments.rounds, arguments.resnet_calls, min(arguments.warmup, IMAGE_WARMUP), arguments.nan_policy,
-            exact=False)
+    if "mlp" in chosen:
+        weights = models.mlp_weights()
+        compare("MLP", models.mlp_onnx(weights), models.mlp_jax, weights,
+                _batches(rng, (784,)), arguments.rounds, arguments.calls, arguments.warmup, arguments.nan_policy)
+    if "cnn" in chosen:
+        weights = models.cnn_weights()
+        compare("CNN", models.cnn_onnx(weights), models.cnn_jax, weights,
+                _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
+                arguments.warmup, arguments.nan_policy)
+    if "mobilenet" in chosen:
+        weights = models.mobilenet_weights()
+        compare("MobileNet", models.mobilenet_onnx(weights), models.mobilenet_jax,
+                weights, _batches(rng, models.MOBILENET_INPUT, IMAGE_BATCH),
+                arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, IMAGE_WARMUP),
+                arguments.nan_policy, exact=False)
+    if "resnet" in chosen:
+        weights = models.resnet18_weights()
+        compare("ResNet", models.resnet18_onnx(weights), models.resnet18_jax,
+                weights, _batches(rng, models.RESNET18_INPUT, IMAGE_BATCH),
+                arguments.rounds, arguments.resnet_calls, min(arguments.warmup, IMAGE_WARMUP), arguments.nan_policy,
+                exact=False)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

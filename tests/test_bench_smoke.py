@@ -96,3 +96,18 @@ def test_kernel_profile_lists_kernels_of_both_steps():
         rows = lines[index + 1:index + 3]
         assert all(row.startswith("  ") and " us  " in row for row in rows), done.stdout
         assert float(lines[index].split(": ")[1].split(" us")[0]) > 0
+
+
+def test_training_step_benchmark_checks_and_times_a_dense_and_an_image_model():
+    """bench/training_step.py --quick on the MLP (checked exactly against the hand-written step)
+    and ResNet-18 (checked loosely, as its ReLU kinks and max pooling round differently)."""
+    command = [sys.executable, str(ROOT / "bench" / "training_step.py"), "--quick", "--models", "mlp,resnet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for name in ("MLP", "ResNet"):
+        assert any(line.startswith(name) and " check: 3 steps" in line for line in lines), done.stdout
+        timed = [line for line in lines if line.startswith(name) and " onnxtrain " in line and " ratio " in line]
+        assert len(timed) == 1, done.stdout
+    assert "weights, V, H and T equal" in done.stdout and "weights within 6 lr" in done.stdout
+    assert not any(line.startswith(("CNN", "MobileNet")) for line in lines)
