@@ -42,18 +42,19 @@ import models  # noqa: E402
 BATCH, BATCHES = 64, 8
 ORT_VENV = BENCH / ".venv-ort"
 ORT_PACKAGES = ["onnxruntime-training==1.19.2", "onnx==1.17.0", "numpy<2"]
-# name: (worker script, what it adds to the job). onnxtrain-step runs the Trainer's default
-# NaN/Inf guard; onnxtrain-step-unchecked (nan_policy "ignore") does what the others do.
+# name: (worker script, what it adds to the job). onnxtrain-step and -fit run the Trainer's
+# default NaN/Inf guard; the -unchecked rows (nan_policy "ignore") do what the others do.
 SYSTEMS = {"onnxtrain-step": ("onnxtrain_step.py", {}),
            "onnxtrain-step-unchecked": ("onnxtrain_step.py", {"nan_policy": "ignore"}),
            "onnxtrain-fit": ("onnxtrain_fit.py", {}),
+           "onnxtrain-fit-unchecked": ("onnxtrain_fit.py", {"nan_policy": "ignore"}),
            "onnxtrain-fit-k1": ("onnxtrain_fit.py", {"steps_per_call": 1}),
            "jax-handwritten": ("jax_handwritten.py", {}),
            "jax-handwritten-scan": ("jax_handwritten_scan.py", {}),
            "ort-training": ("ort_training.py", {}), "torch-eager": ("torch_eager.py", {})}
 # Rows that run several steps per compiled call: their JAX reference is the faster of the two
 # hand-written ones (the scan, unless a loop slows the model down: XLA:CPU convolutions).
-MULTI_STEP = {"onnxtrain-fit", "jax-handwritten-scan"}
+MULTI_STEP = {"onnxtrain-fit", "onnxtrain-fit-unchecked", "jax-handwritten-scan"}
 # name: (weights, ONNX builder, input shape, (warm-up, timed steps) full, quick)
 MODELS = {
     "mlp": (models.mlp_weights, models.mlp_onnx, (784,), (50, 200), (8, 16)),
@@ -241,12 +242,13 @@ nothing); onnxtrain-step-unchecked (`nan_policy="ignore"`) does the work the oth
 none of which checks. onnxtrain-fit times each `Trainer.fit` call over up to 64 batches (8 steps per compiled call;
 its row says how many) and divides by that count, so its p10/p90 are over calls; its losses
 come back one chunk late, and its first loss is that of the warm-up fit call's first step, so
-the process compiles only what fit runs. onnxtrain-fit-k1 is the same with fit's default
+the process compiles only what fit runs; onnxtrain-fit-unchecked is the same under
+`nan_policy="ignore"`. onnxtrain-fit-k1 is the same with fit's default
 of one step per call: each step is a compiled call of its own, its loss and NaN/Inf check
 read one step later, so it is a single-step row. jax-handwritten-scan is onnxtrain-fit's hand-written
 counterpart: a `lax.scan` over 8 stacked batches per `jax.jit` call, timed the same way, the
 losses read one call late. **× JAX** and **RSS × JAX** compare a single-step row with
-jax-handwritten, and a multi-step row (onnxtrain-fit, jax-handwritten-scan) with the faster
+jax-handwritten, and a multi-step row (onnxtrain-fit, -fit-unchecked, jax-handwritten-scan) with the faster
 of the two hand-written rows: on the CNN a convolution inside XLA:CPU's loop runs several
 times slower, so there the single-step one. **Peak RSS** is the process's
 VmHWM from /proc/self/status (median over rounds; not `ru_maxrss`, which on Linux is never
