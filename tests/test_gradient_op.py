@@ -103,6 +103,11 @@ def test_path_through_comparisons_is_zero_not_an_error():
 @pytest.mark.parametrize("attributes, inputs, message", [
     ({"xs": ["x"], "y": "nowhere"}, ["x"], "y='nowhere' is not computed"),
     ({"xs": ["x"], "zs": ["w"], "y": "y"}, ["x"], "has 1 inputs but xs and zs name 2"),
+    # Attributes of the wrong type (a fuzzed model's FLOATS y raised a bare TypeError).
+    ({"xs": ["x"], "y": [0.5]}, ["x"], r"attribute 'y' must name the tensor to differentiate \(type STRING\)"),
+    ({"xs": ["x"]}, ["x"], "required attribute 'y' is missing"),
+    ({"xs": 1.5, "y": "y"}, ["x"], r"attribute 'xs' must list tensor names \(type STRINGS\), not 1.5"),
+    ({"xs": ["x"], "zs": [1, 2], "y": "y"}, ["x"], r"attribute 'zs' must list tensor names"),
 ])
 def test_bad_gradient_nodes_name_the_problem(attributes, inputs, message):
     nodes = [helper.make_node("Mul", ["x", "x"], ["y"]),

@@ -47,7 +47,14 @@ class _Slice:
 
 
 def _names(spec: NodeSpec) -> tuple[list[str], list[str], str]:
-    return list(spec.attrs.get("xs", ())), list(spec.attrs.get("zs", ())), spec.attrs.get("y")
+    """The node's xs, zs and y, checked to be tensor names (a model may give them any type)."""
+    xs, zs, y = spec.attrs.get("xs", ()), spec.attrs.get("zs", ()), spec.attrs.get("y")
+    for attribute, names in (("xs", xs), ("zs", zs)):
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            raise _error(spec, f"attribute {attribute!r} must list tensor names (type STRINGS), not {names!r}")
+    if not isinstance(y, str):
+        raise _error(spec, f"attribute 'y' must name the tensor to differentiate (type STRING), not {y!r}")
+    return list(xs), list(zs), y
 
 
 def _slice_of(spec: NodeSpec) -> _Slice:
