@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.errors import BindingError
-from onnxtrain.losses import BUILT_IN, inline_loss_graph, label_input, scalar
+from onnxtrain.losses import BUILT_IN, inline_loss_graph, label_input
 from onnxtrain.model import ModelSource, load_model
 from onnxtrain.optim import Adam, Optimizer
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TrainingInfoProto

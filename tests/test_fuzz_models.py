@@ -15,7 +15,7 @@ import random
 import resource
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any

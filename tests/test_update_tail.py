@@ -1,5 +1,5 @@
 """The update tail (onnxtrain.update_tail), the checked step that recomputes it in place, and
-the unchecked step that updates a large state in place.
+which unchecked steps update the state in place rather than double-buffer it.
 
 Oracles: the structure of the graphs (which node is the optimizer, which values are the
 Gradient node's outputs); the double-buffered checked step, which computes every new value

@@ -11,9 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxtrain

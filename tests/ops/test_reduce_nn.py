@@ -18,9 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-import onnxtrain
 from onnxtrain import ModelLoadError
-from onnxtrain.translate.model import TranslatedModel
 from op_testing import finite_difference, run_model, translate
 
 RNG = np.random.default_rng(7)

@@ -19,9 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from onnxtrain import load_model
 from onnxtrain.errors import ModelLoadError
-from onnxtrain.translate.model import TranslatedModel
 from op_testing import finite_difference, run_model, translate
 
 TRAINING = "ai.onnx.preview.training"

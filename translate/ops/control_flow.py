@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import OnnxTrainError
-from onnxtrain.translate.graph import GraphPlan, draws_random, evaluate_plan, free_names
+from onnxtrain.translate.graph import draws_random, evaluate_plan, free_names
 from onnxtrain.translate.node import Evaluation, Node
 from onnxtrain.translate.ops.common import normalize_axis
 from onnxtrain.translate.registry import op
