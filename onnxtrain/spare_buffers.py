@@ -3,12 +3,12 @@
 Donating the state to the step looks like the lean way to update it, but on XLA:CPU it is not
 for a convolutional model: XLA copies the weights the backward pass reads before updating them
 in place and keeps those copies in scratch memory next to the gradients, fresh pages every
-step. A ResNet-18 step needed 134 instead of 48 MB of scratch and took 1.2x the time (Trainer
-and FineTuner alike; the benchmark MLP, CNN and transformer: 0.98-1.01x either way). So a
-step writes into the buffers the step before replaced, donated, and the state is held twice:
-too much for a large model, which from LARGE_STATE_BYTES on is updated in place. A tiny state
-is updated in place too: there a step's time is dispatch more than memory, and the spare
-buffers are as many more arguments to pass.
+step. A ResNet-18 step needed 134 instead of 48 MB of scratch (as many MB of page faults per
+step) and took 1.2x the time, Trainer and FineTuner alike. So a step writes into the buffers
+the step before replaced, donated, and the state is held twice (ResNet-18's peak RSS: 813-834
+against 808-812 MB): too much for a large model, which from LARGE_STATE_BYTES on is updated
+in place. A tiny state is updated in place too: there a step's time is dispatch more than
+memory, and the spare buffers are as many more arguments to pass.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from onnxtrain.state.store import device_zeros
 LARGE_STATE_BYTES = 256 * 2**20
 # Below this many bytes a step that need not keep the old state updates it in place: double-
 # buffered, the benchmark transformer (0.4 MB in 55 values) took 1.03x the time, the CNN
-# (0.2 MB) the same, the MLP (2.3 MB) 0.97-0.98x.
+# (0.2 MB) the same, the MLP (2.3 MB) 0.97-1.01x.
 SMALL_STATE_BYTES = 2**20
 
 
