@@ -317,12 +317,15 @@ class StepProgram(_Program):
         return self.nan_policy == "ignore" and (self._large_state(store) or
                                                  self._bound_bytes(store) < SMALL_STATE_BYTES)
 
+    def _checks_then_updates(self, store: StateStore) -> bool:
+        """Whether a single step runs as two programs (checked steps on a large state)."""
+        return self.nan_policy != "ignore" and self._tail_recomputable and self._large_state(store)
+
     def _single_run(self, store: StateStore, feeds: dict[str, Any]) -> tuple:
         """One step the way its policy and the state's size call for (see the class docstring)."""
         if self._updates_in_place(store):
             return self._in_place(store.values, self._key(store), self.constants, feeds)
-        lean = self.nan_policy != "ignore" and self._tail_recomputable and self._large_state(store)
-        return (self._check_then_update if lean else self._double_buffered)(store, feeds)
+        return (self._check_then_update if self._checks_then_updates(store) else self._double_buffered)(store, feeds)
 
     def _spare_buffers(self, old: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Buffers for a call to write the bound variables' new values into."""
@@ -533,8 +536,10 @@ class StepProgram(_Program):
 
     def lowered(self, store: StateStore, feeds: dict[str, Any]) -> jax.stages.Lowered:
         """The single step run() compiles for `feeds` (checked and placed), lowered but not run:
-        for reading its HLO and shardings. Not for a checked step on a large state, which runs
-        as two programs."""
+        for reading its HLO and shardings."""
+        if self._checks_then_updates(store):
+            raise InputError(f"{self.where}: a checked step on a state this large runs as two programs "
+                             "(check, then update in place), not one to lower")
         values, key = store.values, self._key(store)
         with jax.enable_x64(True):
             if self._updates_in_place(store):

@@ -175,3 +175,18 @@ def test_unchecked_steps_update_small_and_large_states_in_place(monkeypatch, nan
         monkeypatch.setattr(onnxtrain.programs, "SMALL_STATE_BYTES", small)
         monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", large)
         assert program._updates_in_place(store) == (in_place and nan_policy == "ignore"), (small, large)
+
+
+def test_a_checked_step_on_a_large_state_has_no_single_program_to_lower():
+    """StepProgram.lowered() refuses it rather than lower a program the step does not run; an
+    unchecked step on a large state lowers its in-place program."""
+    model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
+    feeds = _feeds(1)[0]
+    checked, unchecked = (_large(onnxtrain.Trainer(model, nan_policy=policy)) for policy in ("raise", "ignore"))
+    program = checked._steps[0]
+    with pytest.raises(onnxtrain.InputError, match=r"training_info\[0\]: a checked step on a state this large runs as "
+                                                    r"two programs"):
+        program.lowered(checked._store, program.check_feeds(feeds))
+    program = unchecked._steps[0]
+    hlo = program.lowered(unchecked._store, program.check_feeds(feeds)).as_text()
+    assert "jit__step" in hlo and "jit__spare_step" not in hlo
