@@ -47,9 +47,19 @@ import models  # noqa: E402
 import onnxtrain  # noqa: E402
 
 BATCH, BATCHES, CHECK_STEPS = 64, 8, 3
-MODELS = ("mlp", "cnn", "mobilenet", "resnet")
 # The MobileNet and ResNet-18 rows: their batch, and at most this many warm-up steps.
 IMAGE_BATCH, IMAGE_WARMUP = 8, 3
+# row: (label, weights, ONNX builder, JAX forward, input shape, batch, exact check). The rows
+# checked loosely are the image models, which also warm up at most IMAGE_WARMUP steps.
+ROWS = {
+    "mlp": ("MLP", models.mlp_weights, models.mlp_onnx, models.mlp_jax, (784,), BATCH, True),
+    "cnn": ("CNN", models.cnn_weights, models.cnn_onnx, models.cnn_jax, (1, 28, 28), BATCH, True),
+    "mobilenet": ("MobileNet", models.mobilenet_weights, models.mobilenet_onnx, models.mobilenet_jax,
+                  models.MOBILENET_INPUT, IMAGE_BATCH, False),
+    "resnet": ("ResNet", models.resnet18_weights, models.resnet18_onnx, models.resnet18_jax,
+               models.RESNET18_INPUT, IMAGE_BATCH, False),
+}
+MODELS = tuple(ROWS)
 
 
 def _median_step_seconds(step, calls: int) -> float:
@@ -192,27 +202,14 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, batch {BATCH} (MobileNet, ResNet-18 {IMAGE_BATCH}) float32, "
           f"Adam lr {models.LEARNING_RATE} betas {models.ADAM['alpha']}/{models.ADAM['beta']} "
           f"eps {models.ADAM['epsilon']}; Trainer nan_policy={arguments.nan_policy!r}")
-    if "mlp" in chosen:
-        weights = models.mlp_weights()
-        compare("MLP", models.mlp_onnx(weights), models.mlp_jax, weights,
-                _batches(rng, (784,)), arguments.rounds, arguments.calls, arguments.warmup, arguments.nan_policy)
-    if "cnn" in chosen:
-        weights = models.cnn_weights()
-        compare("CNN", models.cnn_onnx(weights), models.cnn_jax, weights,
-                _batches(rng, (1, 28, 28)), arguments.rounds, arguments.cnn_calls,
-                arguments.warmup, arguments.nan_policy)
-    if "mobilenet" in chosen:
-        weights = models.mobilenet_weights()
-        compare("MobileNet", models.mobilenet_onnx(weights), models.mobilenet_jax,
-                weights, _batches(rng, models.MOBILENET_INPUT, IMAGE_BATCH),
-                arguments.rounds, arguments.mobilenet_calls, min(arguments.warmup, IMAGE_WARMUP),
-                arguments.nan_policy, exact=False)
-    if "resnet" in chosen:
-        weights = models.resnet18_weights()
-        compare("ResNet", models.resnet18_onnx(weights), models.resnet18_jax,
-                weights, _batches(rng, models.RESNET18_INPUT, IMAGE_BATCH),
-                arguments.rounds, arguments.resnet_calls, min(arguments.warmup, IMAGE_WARMUP), arguments.nan_policy,
-                exact=False)
+    calls = {"mlp": arguments.calls, "cnn": arguments.cnn_calls, "mobilenet": arguments.mobilenet_calls,
+             "resnet": arguments.resnet_calls}
+    for name in (name for name in MODELS if name in chosen):
+        label, weights_of, onnx_of, forward, shape, batch, exact = ROWS[name]
+        weights = weights_of()
+        warmup = arguments.warmup if exact else min(arguments.warmup, IMAGE_WARMUP)
+        compare(label, onnx_of(weights), forward, weights, _batches(rng, shape, batch), arguments.rounds,
+                calls[name], warmup, arguments.nan_policy, exact)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

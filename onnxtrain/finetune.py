@@ -30,7 +30,7 @@ from onnxtrain.model import ModelSource, load_model, save_model
 from onnxtrain.programs import InferenceProgram, host_copy
 from onnxtrain.proto import ModelProto, ValueInfoProto
 from onnxtrain.sharding import placement
-from onnxtrain.spare_buffers import LARGE_STATE_BYTES, SMALL_STATE_BYTES, SpareBuffers
+from onnxtrain.spare_buffers import SpareBuffers, updates_in_place
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.trainer import replace_initializer
@@ -105,8 +105,7 @@ class FineTuner:
         self._jitted = jit_with_options(self._spare_step, donate_argnums=1, keep_unused=True)
         self._in_place = jit_with_options(self._step, donate_argnums=0)
         self._spare = SpareBuffers(self._placement)
-        size = sum(value.nbytes for value in self._store.values.values())
-        self._updates_in_place = not SMALL_STATE_BYTES <= size < LARGE_STATE_BYTES
+        self._updates_in_place = updates_in_place(sum(value.nbytes for value in self._store.values.values()))
         self._loss_only = jit_with_options(self._objective)
 
     @property
@@ -144,6 +143,14 @@ class FineTuner:
                     constants: dict[str, Any], feeds: dict[str, Any]) -> tuple:
         """_step with the new values written into the donated `spare` buffers, never read."""
         return self._step(values, key, constants, feeds)
+
+    def lowered(self, feeds: dict[str, Any]) -> jax.stages.Lowered:
+        """The step step() compiles for `feeds` (checked), lowered but not run: for reading its HLO."""
+        values, key = self._store.values, self._store.key if self._random else None
+        with jax.enable_x64(True):
+            if self._updates_in_place:
+                return self._in_place.lower(values, key, self._inference.constants, feeds)
+            return self._jitted.lower(values, values, key, self._inference.constants, feeds)
 
     def _run(self, feeds: dict[str, Any]) -> tuple:
         """(new values, key, outputs) of one step on checked, placed feeds."""

@@ -34,7 +34,7 @@ from onnxtrain.sharding import DEFAULT_DEVICE, Placement, host_value
 # then recomputes the update tail in place (StepProgram._check_then_update), an unchecked one
 # updates in place, and run_many steps one call at a time instead of scanning (a scan holds
 # the state twice).
-from onnxtrain.spare_buffers import LARGE_STATE_BYTES, SMALL_STATE_BYTES, SpareBuffers
+from onnxtrain.spare_buffers import LARGE_STATE_BYTES, SpareBuffers, updates_in_place
 from onnxtrain.state.store import StateStore, device_zeros
 from onnxtrain.training import combined_graph, light_graph, model_of
 from onnxtrain.translate.compiler_options import jit_with_options
@@ -314,8 +314,7 @@ class StepProgram(_Program):
     def _updates_in_place(self, store: StateStore) -> bool:
         """Whether a single step donates the state and updates it in place (unchecked steps on
         a large or a small state; see the class docstring)."""
-        return self.nan_policy == "ignore" and (self._large_state(store) or
-                                                 self._bound_bytes(store) < SMALL_STATE_BYTES)
+        return self.nan_policy == "ignore" and updates_in_place(self._bound_bytes(store))
 
     def _checks_then_updates(self, store: StateStore) -> bool:
         """Whether a single step runs as two programs (checked steps on a large state)."""

@@ -29,6 +29,12 @@ LARGE_STATE_BYTES = 256 * 2**20
 SMALL_STATE_BYTES = 2**20
 
 
+def updates_in_place(state_bytes: int) -> bool:
+    """Whether a step that need not keep the old state updates a state of this size in place
+    rather than double-buffer it: below SMALL_STATE_BYTES or from LARGE_STATE_BYTES on."""
+    return not SMALL_STATE_BYTES <= state_bytes < LARGE_STATE_BYTES
+
+
 class SpareBuffers:
     """The values the last step replaced, kept for the next step to write into."""
 

@@ -50,9 +50,7 @@ def _trainer_step_hlo(nan_policy: str) -> str:
 
 def _finetuner_step_hlo() -> str:
     tuner = onnxtrain.finetune(_inference_model(), loss="cross_entropy")
-    with jax.enable_x64(True):
-        return tuner._jitted.lower(tuner._store.values, tuner._store.values, None, tuner._inference.constants,
-                                   tuner._check_feeds(FEEDS)).compile().as_text()
+    return tuner.lowered(tuner._check_feeds(FEEDS)).compile().as_text()
 
 
 def _forward_hlo() -> str:

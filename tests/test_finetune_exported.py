@@ -11,7 +11,6 @@ freeze_batchnorm: on running statistics (torch's eval mode).
 from __future__ import annotations
 
 import functools
-import importlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import optax
 import pytest
 
 import onnxtrain
+import onnxtrain.spare_buffers
 from onnxtrain import optim
 from onnxtrain.proto import ValueInfoProto
 
@@ -111,8 +111,7 @@ def test_fine_tuning_double_buffers_the_state_or_updates_it_in_place(monkeypatch
     with np.load(Path(__file__).resolve().parent / "fixtures" / "digits.npz") as digits:
         batches = [{"x": digits["images"][i:i + 16], "labels": digits["labels"][i:i + 16]} for i in range(0, 64, 16)]
     in_place = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
-    # onnxtrain.finetune is the function; its module is where the threshold is read.
-    monkeypatch.setattr(importlib.import_module("onnxtrain.finetune"), "SMALL_STATE_BYTES", 0)
+    monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", 0)
     double_buffered = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
     replaced = []
     for batch in batches:

@@ -51,9 +51,7 @@ def _trainer_hlo() -> str:
 
 def _finetuner_hlo() -> str:
     tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), optimizer=optax.adam(1e-3))
-    with jax.enable_x64(True):
-        return tuner._jitted.lower(tuner._store.values, tuner._store.values, None, tuner._inference.constants,
-                                   tuner._check_feeds(FEEDS)).compile().as_text()
+    return tuner.lowered(tuner._check_feeds(FEEDS)).compile().as_text()
 
 
 @pytest.mark.parametrize("hlo", [_trainer_hlo, _finetuner_hlo], ids=["Trainer", "FineTuner"])

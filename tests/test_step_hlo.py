@@ -16,7 +16,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-import onnxtrain.programs
+import onnxtrain.spare_buffers
 from model_factory import conv_classifier
 from onnxtrain.translate.compiler_options import jit_with_options
 
@@ -140,6 +140,11 @@ def _two_conv_model():
     return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.Adam(lr=1e-3))
 
 
+def _two_conv_feeds(program) -> dict:
+    return program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
+                                "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+
+
 def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
     """fit's steps (run ahead of the host reading their NaN/Inf checks) select old-or-new
     state into spare buffers and only read the old state. Donating the state instead keeps
@@ -147,8 +152,7 @@ def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
     175 against 86 MB of scratch, fresh pages every step, 1.16x the time)."""
     trainer = onnxtrain.Trainer(_two_conv_model())
     program, store = trainer._steps[0], trainer._store
-    feeds = program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
-                                 "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+    feeds = _two_conv_feeds(program)
     donating = jit_with_options(program._chain_link, donate_argnums=0)
     with jax.enable_x64(True):
         ours = program._link.lower(store.values, program._spare_buffers(store.values), None, program.constants,
@@ -163,11 +167,10 @@ def test_unchecked_steps_write_into_spare_buffers_and_need_less_scratch(monkeypa
     state and writes the new values into spare buffers. Donating the state instead, XLA keeps
     copies of the weights the backward pass reads in scratch memory next to the gradients
     (ResNet-18: 134 against 48 MB of scratch, fresh pages every step, 1.2x the time)."""
-    monkeypatch.setattr(onnxtrain.programs, "SMALL_STATE_BYTES", 0)
+    monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", 0)
     trainer = onnxtrain.Trainer(_two_conv_model(), nan_policy="ignore")
     program, store = trainer._steps[0], trainer._store
-    feeds = program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
-                                 "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+    feeds = _two_conv_feeds(program)
     ours = program.lowered(store, feeds).compile()
     with jax.enable_x64(True):
         theirs = program._in_place.lower(store.values, None, program.constants, feeds).compile()

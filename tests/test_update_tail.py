@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-import onnxtrain.programs
+import onnxtrain.spare_buffers
 from onnxtrain.translate.model import TranslatedModel
 from onnxtrain.update_tail import update_tail
 
@@ -172,8 +172,8 @@ def test_unchecked_steps_update_small_and_large_states_in_place(monkeypatch, nan
     program, store = trainer._steps[0], trainer._store
     size = program._bound_bytes(store)
     for small, large, in_place in ((size + 1, size + 2, True), (size, size + 1, False), (0, size, True)):
-        monkeypatch.setattr(onnxtrain.programs, "SMALL_STATE_BYTES", small)
-        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", large)
+        monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", small)
+        monkeypatch.setattr(onnxtrain.spare_buffers, "LARGE_STATE_BYTES", large)
         assert program._updates_in_place(store) == (in_place and nan_policy == "ignore"), (small, large)
 
 
