@@ -161,10 +161,10 @@ def library_conv(x: Any, w: Any, window: Window, group: int) -> Any:
                                     rhs_dilation=window.dilations, feature_group_count=group)
 
 
-# At most this many (input channel per group, kernel position) pairs go to conv_by_taps: with
-# 1 input channel and a 3x3 kernel (9 pairs) it runs the benchmark CNN's first layer 6-9x
-# faster than XLA:CPU's convolution, with 2 channels (18) ~4x; at 4 (36) the two are even, and
-# a 7x7 RGB stem (147) is 3x slower.
+# At most this many (input channel per group, kernel position) pairs go to conv_by_taps: up
+# to here a sum of tap products beats XLA:CPU's convolution (a first layer on one or two
+# channels), while with more pairs (a 7x7 RGB stem, say) the convolution wins (see
+# bench/RESULTS.md, "Design measurements").
 TAPS_LIMIT = 18
 
 
@@ -191,8 +191,8 @@ def weights_by_tap(w: Any, kernel: Sequence[int]) -> Any:
 
     Sliced straight from w, each vector has stride prod(kernel) in memory, and the fused
     loop of conv_by_taps gathers it for every output element it writes. The barrier keeps
-    XLA from folding the stack back into those slices or into a transposed layout. With it,
-    the benchmark CNN's forward pass took 0.84-0.90 the time, its training step 0.95-0.97.
+    XLA from folding the stack back into those slices or into a transposed layout, so the
+    loop reads each vector contiguously (see bench/RESULTS.md, "Design measurements").
     """
     rows = [w[(slice(None), channel, *position)]
             for position in itertools.product(*(range(k) for k in kernel)) for channel in range(w.shape[1])]
@@ -248,9 +248,10 @@ conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
 # A depthwise convolution (every output channel reads its own input channel) as a bilinear
 # primitive: its forward and input gradient are sum_of_tap_products and that sum's
 # transpose, its weight gradient one pass over input and cotangent that sums every tap's
-# products at once (a variadic reduce). XLA:CPU's own convolution takes ~50x as long
-# forward and ~10x for the gradients (8x64x56x56, 3x3), and the transpose JAX derives from
-# the sum of taps reduces tap by tap, 6x slower than the single pass. A primitive (rather
+# products at once (a variadic reduce). Both are far faster than XLA:CPU's own convolution
+# on depthwise layers, and the single pass is faster than the transpose JAX derives from the
+# sum of taps, which reduces tap by tap (see bench/RESULTS.md, "Design measurements").
+# A primitive (rather
 # than custom_jvp) is what lets the weight gradient differ from the derived transpose while
 # forward mode, vmap and higher derivatives keep working.
 depthwise_p = Primitive("onnxtrain_depthwise_conv")
@@ -508,10 +509,9 @@ def is_tiling(window: Window) -> bool:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def max_of_windows(x: Any, window: Window, outputs: tuple[int, ...]) -> Any:
     """The maximum of each window as an elementwise max of kernel-many strided slices of the
-    padded input (padding never wins). Forward, XLA:CPU runs it as fast as reduce_window
-    (ResNet-18 inference 0.99 the time); with its derivative (first_maximum_jvp) much faster:
-    0.23-0.72 the time on 8x64x56x56 for 3x3 to 7x7 windows, a ResNet-18 training step
-    0.93-0.95."""
+    padded input (padding never wins). Forward, XLA:CPU runs it as fast as reduce_window, and
+    with its derivative (first_maximum_jvp) much faster, so training steps of models with
+    MaxPool are shorter (see bench/RESULTS.md, "Design measurements")."""
     pieces = window_pieces(x, window, outputs, lowest(x.dtype))
     while len(pieces) > 1:
         pairs = [jnp.maximum(a, b) for a, b in zip(pieces[::2], pieces[1::2])]
@@ -526,10 +526,11 @@ def first_maximum_jvp(window: Window, outputs: tuple[int, ...], primals: tuple, 
 
     JAX's derivative of the max of slices splits ties between them instead, and XLA:CPU
     computes its transpose with every input element re-deriving all of its window's
-    comparisons (and the layer before, when that is fused in). Picked by an index made from
-    the primal, the benchmark CNN's training step took 0.88-0.89 the time; testing for NaN
-    as well cost most of that gain. (reduce_window's derivative also picks the first
-    maximum, slower: see max_of_windows.)
+    comparisons (and the layer before, when that is fused in). Picking by an index made from
+    the primal avoids that work; testing for NaN as well would give most of the gain back,
+    so a NaN window is left to its last element (see bench/RESULTS.md, "Design
+    measurements"). (reduce_window's derivative also picks the first maximum, slower: see
+    max_of_windows.)
     """
     (x,), (dx,) = primals, tangents
     y = max_of_windows(x, window, outputs)
@@ -642,12 +643,13 @@ def window_sums(x: Any, window: Window, outputs: Sequence[int]) -> Any:
     and with its gradient, on 1-3 spatial axes:
     - windows over one axis that overlap or leave gaps: reduce_window;
     - windows of no more taps than their sides add up to (1-D, 2x2, 1xk): the sum of the
-      kernel-many strided slices, one per tap (for 2x2 tiling windows the benchmark CNN with
-      average pooling took 0.37 the time forward, 0.78-0.81 per training step);
+      kernel-many strided slices, one per tap (faster than reduce_window forward and per
+      training step);
     - larger windows that tile the input or move by 1: summed one axis at a time
       (sums_axis_by_axis);
     - larger windows that move by more and overlap, leave gaps or are padded: reduce_window,
       with sums_axis_by_axis as the derivative (strided_window_sums).
+    The measurements behind each choice are in bench/RESULTS.md, "Design measurements".
     """
     if len(window.kernel) == 1 and not is_tiling(window):
         return reduce_window_sums(x, window)
@@ -666,13 +668,11 @@ def reduce_window_sums(x: Any, window: Window) -> Any:
 
 def sums_axis_by_axis(x: Any, window: Window, outputs: Sequence[int]) -> Any:
     """Window sums as one pass per spatial axis, each adding that axis's kernel-many strided
-    slices: k1 + k2 slices rather than k1 * k2. Against reduce_window on 1-3 spatial axes
-    (3x3 to 7x7 windows, strides 1-4, padded, dilated or tiling; 8-64 images of 64-256
-    channels): 0.07-0.7 the time with the gradient; forward 0.15-0.42 for windows that tile
-    or move by 1, but up to 1.6 for 3x3, stride 2, pad 1 (see strided_window_sums). One
-    slice per tap has the faster gradient on 2x2 windows (0.3-0.4 the time of this) but not
-    from 3x3 on: 2.5 and 3.8 ms on 3x3 and 4x4 tiling windows, where this takes 0.37 and
-    0.34 ms."""
+    slices: k1 + k2 slices rather than k1 * k2. With the gradient it is faster than
+    reduce_window on every window shape tried; forward too on windows that tile or move by
+    1, but not on windows that move by more and overlap (see strided_window_sums). One slice
+    per tap has the faster gradient on 2x2 windows but not from 3x3 on, hence the split in
+    window_sums (see bench/RESULTS.md, "Design measurements")."""
     summed = padded_input(x, window, 0)
     for axis, (kernel, stride, dilation, count) in enumerate(
             zip(window.kernel, window.strides, window.dilations, outputs), start=2):
@@ -684,10 +684,9 @@ def sums_axis_by_axis(x: Any, window: Window, outputs: Sequence[int]) -> Any:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def strided_window_sums(x: Any, window: Window, outputs: tuple[int, ...]) -> Any:
-    """reduce_window_sums, whose derivative is sums_axis_by_axis: summing axis by axis took
-    up to 1.6 the time of reduce_window forward on such windows, while reduce_window's own
-    gradient took 7 times as long. The benchmark CNN with 3x3, stride-2, pad-1 average
-    pooling: training step 0.62 the time of reduce_window alone, forward unchanged."""
+    """reduce_window_sums, whose derivative is sums_axis_by_axis: on such windows
+    reduce_window is the faster forward pass and summing axis by axis by far the faster
+    gradient (see bench/RESULTS.md, "Design measurements")."""
     return reduce_window_sums(x, window)
 
 

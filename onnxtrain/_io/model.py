@@ -1,0 +1,329 @@
+"""Reading and writing ONNX models exactly.
+
+load_model accepts a path, bytes, a binary file object or any message with
+SerializeToString (an `onnx.ModelProto`, say), resolves external data from the
+model's folder, and checks every tensor's size against its dims, so a model
+that loads is one whose bytes can be trusted. save_model writes atomically
+(a temporary file, then a rename) and moves large tensors to a side file when
+asked, or when the model would not fit in one protobuf message (2 GiB).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Union
+
+from google.protobuf.message import DecodeError, EncodeError
+
+from onnxtrain.errors import ExportError, ModelLoadError
+from onnxtrain.external_data import load_external_tensors, mark_external, uses_external_data
+from onnxtrain.proto import ModelProto, TensorProto
+from onnxtrain.proto.walk import iter_tensors
+from onnxtrain.translate.tensors import (
+    ELEMENT_TYPES,
+    array_bytes,
+    check_tensor_data,
+    raw_size,
+    tensor_to_numpy,
+)
+
+# Protobuf refuses to parse or serialize a message of 2 GiB or more.
+PROTOBUF_LIMIT = 2**31 - 1
+
+# Any object with SerializeToString (an onnx.ModelProto, say) is accepted too.
+ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, ModelProto]
+
+
+def _read_path(path: Path) -> bytes:
+    try:
+        size = path.stat().st_size
+        if path.is_dir():
+            raise ModelLoadError(f"{path} is a folder, not an ONNX model file")
+        if size > PROTOBUF_LIMIT:
+            raise ModelLoadError(
+                f"{path} is {size} bytes, over protobuf's 2 GiB limit for one message; "
+                f"such models must keep their large tensors in external data files"
+            )
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ModelLoadError(f"model file {path} does not exist") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read model file {path}: {error.strerror or error}") from None
+
+
+def _source_bytes(source: ModelSource) -> tuple[bytes, str, Path | None]:
+    """(serialized model, description for messages, folder holding its side files)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        return _read_path(path), str(path), path.resolve().parent
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source), "in-memory model", None
+    if hasattr(source, "read"):
+        data = source.read()
+        name = getattr(source, "name", None)
+        if isinstance(data, str):
+            raise ModelLoadError(
+                f"file object {name or source!r} is open in text mode; open ONNX models "
+                f"with open(path, 'rb')"
+            )
+        folder = Path(name).resolve().parent if isinstance(name, (str, os.PathLike)) else None
+        return bytes(data), str(name or "file object"), folder
+    if hasattr(source, "SerializeToString"):
+        try:
+            return source.SerializeToString(), type(source).__name__, None
+        except Exception as error:  # noqa: BLE001 - any protobuf failure becomes a load error
+            raise ModelLoadError(
+                f"cannot serialize the given {type(source).__name__}: {error}"
+            ) from None
+    raise ModelLoadError(
+        f"cannot load a model from {type(source).__name__}; pass a path, bytes, a binary "
+        f"file object or a ModelProto"
+    )
+
+
+def _parse(data: bytes, described: str) -> ModelProto:
+    model = ModelProto()
+    try:
+        model.ParseFromString(data)
+    except DecodeError as error:
+        raise ModelLoadError(
+            f"{described} is not a valid ONNX model: protobuf could not parse its "
+            f"{len(data)} bytes ({error}). The file is truncated, corrupt, or not ONNX."
+        ) from None
+    if model.ir_version <= 0:
+        raise ModelLoadError(
+            f"{described} has no ir_version ({len(data)} bytes parsed): it is not an ONNX "
+            f"model, or it is empty or truncated"
+        )
+    return model
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    load_external_data: bool = True,
+) -> ModelProto:
+    """Load an ONNX model as an onnxtrain.proto.ModelProto.
+
+    `base_dir` is the folder holding external data files; it defaults to the
+    model file's folder and must be given for bytes or in-memory messages
+    whose tensors live in side files. With load_external_data=False those
+    tensors keep their references (and their sizes are not checked).
+    """
+    if isinstance(source, ModelProto):
+        # Copied, not serialized: an in-memory model may be past protobuf's 2 GiB limit.
+        model, described, folder = ModelProto(), "in-memory model", None
+        model.CopyFrom(source)
+    else:
+        data, described, folder = _source_bytes(source)
+        model = _parse(data, described)
+    if base_dir is not None:
+        folder = Path(base_dir)
+    if load_external_data:
+        located = ((tensor, f"{described}: {where}") for tensor, where in iter_tensors(model))
+        load_external_tensors(located, folder)
+    for tensor, where in iter_tensors(model):
+        check_tensor_data(tensor, f"{described}: {where}")
+    return model
+
+
+def _as_model(model: object) -> ModelProto:
+    if isinstance(model, ModelProto):
+        return model
+    if hasattr(model, "SerializeToString"):
+        return load_model(model, load_external_data=False)
+    raise ExportError(f"cannot save a {type(model).__name__}; pass a ModelProto")
+
+
+def _stored_bytes(tensor: TensorProto, where: str) -> bytes:
+    """A tensor's values in raw_data encoding, whichever field holds them."""
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    return array_bytes(tensor_to_numpy(tensor, where))
+
+
+def _payload_size(tensor: TensorProto) -> int:
+    """Bytes of the tensor's values, from its dims (no copy of the data is made)."""
+    element = ELEMENT_TYPES.get(tensor.data_type)
+    if element is None:
+        return 0
+    return raw_size(element, math.prod(tensor.dims))
+
+
+def _fits_in_one_message(model: ModelProto) -> bool:
+    """Whether protobuf can serialize the model (its ByteSize itself fails past 2 GiB)."""
+    try:
+        return model.ByteSize() <= PROTOBUF_LIMIT
+    except EncodeError:
+        return False
+
+
+def _refuse_unloaded_external_data(model: ModelProto) -> None:
+    for tensor, where in iter_tensors(model):
+        if uses_external_data(tensor):
+            raise ExportError(
+                f"{where}: still refers to external data that was never loaded; load the "
+                f"model with load_external_data=True before saving it"
+            )
+
+
+def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto, str]]:
+    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes."""
+    return [
+        (tensor, where)
+        for tensor, where in iter_tensors(model)
+        if tensor.data_type != TensorProto.STRING
+        and not tensor.HasField("segment")
+        and _payload_size(tensor) >= threshold
+    ]
+
+
+def _serialize(model: ModelProto) -> bytes:
+    if not _fits_in_one_message(model):
+        raise ExportError(
+            "model is over protobuf's 2 GiB limit for one message; save it with "
+            "external_data=True or None, and a lower size_threshold if it is still too big"
+        )
+    return model.SerializeToString()
+
+
+def _write_all(handle: io.FileIO, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[handle.write(view):]
+
+
+def _read_exactly(descriptor: int, length: int, offset: int) -> bytes:
+    """pread until `length` bytes are in (one call stops short of 2 GiB on Linux)."""
+    chunks = []
+    while length:
+        chunk = os.pread(descriptor, length, offset)
+        if not chunk:
+            raise ExportError("side file shrank while saving; the model object may be incomplete")
+        chunks.append(chunk)
+        offset, length = offset + len(chunk), length - len(chunk)
+    return b"".join(chunks)
+
+
+@contextmanager
+def _moved_to_side_file(
+    tensors: list[tuple[TensorProto, str]], side_file: Path, location: str
+) -> Iterator[None]:
+    """Write the tensors' values to side_file and point the tensors at it.
+
+    On exit, whatever happened, every tensor gets its values back: raw_data is
+    read back from the side file (so the model is never held twice in memory),
+    tensors that used typed fields are restored from a copy. Writes are
+    unbuffered, so a tensor is marked only once its bytes reached the file.
+    """
+    moved: list[tuple[TensorProto, int, int, TensorProto | None]] = []
+    with open(side_file, "w+b", buffering=0) as side:
+        try:
+            for tensor, where in tensors:
+                data = _stored_bytes(tensor, where)
+                original = None
+                if not tensor.HasField("raw_data"):
+                    original = TensorProto()
+                    original.CopyFrom(tensor)
+                offset = side.tell()
+                _write_all(side, data)
+                mark_external(tensor, location, offset, len(data))
+                moved.append((tensor, offset, len(data), original))
+            os.fsync(side.fileno())
+            yield
+        finally:
+            for tensor, offset, length, original in moved:
+                if original is not None:
+                    tensor.CopyFrom(original)
+                    continue
+                del tensor.external_data[:]
+                tensor.ClearField("data_location")
+                tensor.raw_data = _read_exactly(side.fileno(), length, offset)
+
+
+def _temporary_beside(path: Path) -> Path:
+    """A new empty file next to `path`, created with the usual (umask) permissions.
+
+    tempfile.mkstemp would make it owner-only, and the rename would carry that
+    over to the saved model.
+    """
+    while True:
+        candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            open(candidate, "xb").close()
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _side_file_name(path: Path, external_data: bool | str) -> str:
+    if external_data is True:
+        return f"{path.name}.data"
+    name = str(external_data)
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise ExportError(
+            f"external_data={name!r} must be a plain file name; the side file is always "
+            f"written next to the model"
+        )
+    return name
+
+
+def save_model(
+    model: ModelProto | object,
+    path: str | os.PathLike,
+    external_data: bool | str | None = None,
+    *,
+    size_threshold: int = 1024,
+) -> None:
+    """Write `model` to `path` atomically.
+
+    external_data: None keeps every tensor inline unless the model would pass
+    protobuf's 2 GiB limit, in which case it behaves like True; True writes
+    every tensor of at least `size_threshold` bytes (in any graph, training
+    graphs included) to `<file name>.data` beside the model; a string names
+    that side file instead; False never writes one. The model object is left
+    as it was.
+    """
+    model = _as_model(model)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ExportError(f"cannot save to {path}: folder {path.parent} does not exist")
+    _refuse_unloaded_external_data(model)
+    if external_data is None:
+        external_data = not _fits_in_one_message(model)
+    location = _side_file_name(path, external_data) if external_data is not False else None
+    moving = _externalizable(model, size_threshold) if location else []
+    side_file = path.parent / location if moving else None
+    temporaries: list[Path] = []
+    try:
+        if side_file is None:
+            serialized = _serialize(model)
+        else:
+            temporaries.append(_temporary_beside(side_file))
+            with _moved_to_side_file(moving, temporaries[-1], location):
+                serialized = _serialize(model)
+        temporaries.append(_temporary_beside(path))
+        _write_file(temporaries[-1], serialized)
+        if side_file is not None:
+            os.replace(temporaries[0], side_file)
+        os.replace(temporaries[-1], path)
+        temporaries.clear()
+    except OSError as error:
+        raise ExportError(f"cannot write model to {path}: {error.strerror or error}") from None
+    finally:
+        for temporary in temporaries:
+            temporary.unlink(missing_ok=True)

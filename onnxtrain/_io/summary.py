@@ -1,0 +1,110 @@
+"""A human-readable outline of a model: what `onnxtrain info` and the demo print."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from onnxtrain.proto import GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto
+from onnxtrain.proto.walk import iter_graphs
+from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
+from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.tensors import ELEMENT_TYPES, raw_size
+
+
+def _element_name(code: int) -> str:
+    if code == TensorProto.STRING:
+        return "string"
+    element = ELEMENT_TYPES.get(code)
+    return element.dtype.name if element else f"type{code}"
+
+
+def _type_text(value_type: TypeProto) -> str:
+    kind = value_type.WhichOneof("value")
+    if kind == "tensor_type":
+        name = _element_name(value_type.tensor_type.elem_type)
+        if not value_type.tensor_type.HasField("shape"):
+            return name
+        dims = [d.dim_param or (str(d.dim_value) if d.HasField("dim_value") else "?")
+                for d in value_type.tensor_type.shape.dim]
+        return f"{name}[{', '.join(dims)}]"
+    if kind in ("sequence_type", "optional_type"):
+        return f"{kind.split('_')[0]}<{_type_text(getattr(value_type, kind).elem_type)}>"
+    return kind or "unknown"
+
+
+def _values_text(values: list[ValueInfoProto]) -> str:
+    return ", ".join(f"{v.name} {_type_text(v.type)}" for v in values) or "none"
+
+
+def _tensor_text(tensor: TensorProto) -> str:
+    return f"{tensor.name} {_element_name(tensor.data_type)}[{', '.join(map(str, tensor.dims))}]"
+
+
+def _ops_text(graph: GraphProto) -> str:
+    counts = Counter(n.op_type if not n.domain else f"{n.domain}::{n.op_type}" for n in graph.node)
+    return ", ".join(f"{op} x{count}" if count > 1 else op for op, count in counts.items())
+
+
+def _initializer_text(graph: GraphProto) -> str:
+    values = sum(math.prod(t.dims) for t in graph.initializer)
+    size = sum(raw_size(ELEMENT_TYPES[t.data_type], math.prod(t.dims)) for t in graph.initializer
+               if t.data_type in ELEMENT_TYPES and t.data_type != TensorProto.STRING)
+    return f"{len(graph.initializer)} ({values:,} values, {size:,} bytes)"
+
+
+def _graph_lines(label: str, graph: GraphProto, indent: str) -> list[str]:
+    title = f"{label} {graph.name!r}" if graph.name else label
+    return [
+        f"{indent}{title}: {len(graph.node)} nodes ({_ops_text(graph) or 'none'})",
+        f"{indent}  inputs:  {_values_text(list(graph.input))}",
+        f"{indent}  outputs: {_values_text(list(graph.output))}",
+        f"{indent}  initializers: {_initializer_text(graph)}",
+    ]
+
+
+def unsupported_ops(model: ModelProto) -> list[str]:
+    """'domain::op (opset N)' for every operator in any graph that onnxtrain cannot run."""
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    functions = {(f.domain, f.name) for f in model.functions}
+    missing = set()
+    graphs = [graph for graph, _ in iter_graphs(model)]
+    graphs += [GraphProto(node=f.node) for f in model.functions]
+    for graph in graphs:
+        for node in graph.node:
+            domain = normalize_domain(node.domain)
+            if (node.domain, node.op_type) in functions:
+                continue
+            version = opsets.get(domain)
+            if version is None or resolve(domain, node.op_type, version) is None:
+                missing.add(f"{domain or 'ai.onnx'}::{node.op_type} (opset {version or 'not imported'})")
+    return sorted(missing)
+
+
+def describe(model: ModelProto) -> str:
+    """Outline of the model: opsets, graphs, and each training recipe's state and bindings."""
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+    producer = " ".join(filter(None, (model.producer_name, model.producer_version)))
+    lines = [f"ONNX model, IR version {model.ir_version}" + (f", produced by {producer}" if producer else "")]
+    if model.doc_string:
+        lines.append(f"  {model.doc_string}")
+    lines.append(f"opsets: {opsets or 'none'}")
+    lines += _graph_lines("main graph", model.graph, "")
+    initializers = {t.name: t for t in model.graph.initializer}
+    for index, info in enumerate(model.training_info):
+        lines.append(f"training_info[{index}]:")
+        if info.HasField("initialization"):
+            lines += _graph_lines("initialization", info.initialization, "  ")
+        lines += _graph_lines("algorithm", info.algorithm, "  ")
+        scope = {**initializers, **{t.name: t for t in info.algorithm.initializer}}
+        keys = list(dict.fromkeys(
+            [b.key for b in info.initialization_binding] + [b.key for b in info.update_binding]))
+        state = [_tensor_text(scope[key]) if key in scope else f"{key} (not an initializer!)"
+                 for key in keys]
+        lines.append(f"  state variables ({len(keys)}): {', '.join(state)}")
+        lines.append("  update_binding: " + (", ".join(
+            f"{b.key} <- {b.value}" for b in info.update_binding) or "none"))
+    if model.functions:
+        lines.append("functions: " + ", ".join(f"{f.domain}::{f.name}" for f in model.functions))
+    lines.append("unsupported operators: " + (", ".join(unsupported_ops(model)) or "none"))
+    return "\n".join(lines)

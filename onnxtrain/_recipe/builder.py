@@ -1,0 +1,315 @@
+"""make_training_model: any inference model plus a loss and an optimizer -> a training model.
+
+The result is a standard ONNX model: its TrainingInfoProto holds
+- an algorithm graph: (when Dropout or BatchNormalization must behave as in
+  training) a renamed copy of the forward pass in training mode, the loss,
+  one Gradient node over the trainable weights, the optimizer node and the
+  step-counter increment; BatchNorm running statistics are bound state too;
+- an initialization graph that resets the optimizer slots, the counter and the
+  learning rate (and redraws weights on request);
+- bindings that make weights, slots, counter and learning rate state variables,
+  so a runtime can change the learning rate between steps without recompiling.
+The main graph stays the inference graph, so ONNX Runtime serves the exported model.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from onnxtrain.errors import BindingError
+from onnxtrain.losses import BUILT_IN, inline_loss_graph, label_input
+from onnxtrain.model import ModelSource, load_model
+from onnxtrain.optim import Adam, Optimizer
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TrainingInfoProto
+from onnxtrain.proto.make import attribute, bindings, node, opset, tensor_value_info
+from onnxtrain.training import validate
+from onnxtrain.translate.graph import graph_initializers, initializer_names
+from onnxtrain.translate.model import static_input_names
+from onnxtrain.translate.registry import TRAINING_DOMAIN, normalize_domain
+from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor, tensor_to_numpy
+
+# Float Constant nodes at least this large look like weights an exporter folded.
+FOLDED_WEIGHT_SIZE = 64
+_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+Trainable = Iterable[str] | Callable[[str, np.ndarray], bool] | None
+
+
+class _Names:
+    """Fresh names that collide with nothing in the model."""
+
+    def __init__(self, graph: GraphProto):
+        self.taken = {v.name for v in [*graph.input, *graph.output, *graph.value_info]}
+        self.taken |= set(initializer_names(graph))
+        self.taken |= {name for n in graph.node for name in n.output}
+
+    def __call__(self, wanted: str) -> str:
+        name, counter = wanted, 1
+        while name in self.taken:
+            counter += 1
+            name = f"{wanted}.{counter}"
+        self.taken.add(name)
+        return name
+
+
+def _default_opset(model: ModelProto) -> int:
+    return next((o.version for o in model.opset_import if normalize_domain(o.domain) == ""), 0)
+
+
+def lift_constants(model: ModelProto, min_size: int = FOLDED_WEIGHT_SIZE) -> list[str]:
+    """Turn large float Constant nodes of the main graph into initializers; their names."""
+    lifted, kept = [], []
+    for item in model.graph.node:
+        value = _folded_weight(item, min_size)
+        if value is None:
+            kept.append(item)
+            continue
+        model.graph.initializer.append(numpy_to_tensor(value, item.output[0]))
+        lifted.append(item.output[0])
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return lifted
+
+
+def _folded_weight(item: NodeProto, min_size: int) -> np.ndarray | None:
+    if item.op_type != "Constant" or normalize_domain(item.domain) != "" or len(item.attribute) != 1:
+        return None
+    attribute = item.attribute[0]
+    if attribute.name != "value":
+        return None
+    value = tensor_to_numpy(attribute.t, f"Constant {item.output[0]!r}")
+    return value if value.dtype in _FLOATS and value.size >= min_size else None
+
+
+def _batchnorm_statistics(graph: GraphProto) -> set[str]:
+    return {n.input[i] for n in graph.node if n.op_type == "BatchNormalization" for i in (3, 4)
+            if len(n.input) > i}
+
+
+def trainable_names(model: ModelProto, trainable: Trainable = None) -> list[str]:
+    """Float initializers to train: all (default) but shapes and BatchNorm statistics, or those
+    named, or those a predicate(name, value) accepts."""
+    values = graph_initializers(model.graph)
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
+    candidates = [n for n, v in values.items() if v.dtype in _FLOATS and n not in excluded]
+    if trainable is None:
+        return candidates
+    if callable(trainable):
+        return [n for n in candidates if trainable(n, values[n])]
+    names = list(trainable)
+    unknown = [n for n in names if n not in candidates]
+    if unknown:
+        raise BindingError(f"trainable names {unknown} are not float weights of the main graph; "
+                           f"candidates are {candidates}")
+    return names
+
+
+def _training_forward(model: ModelProto, fresh: _Names, freeze_batchnorm: bool
+                      ) -> tuple[list[NodeProto], dict[str, str], dict[str, str]]:
+    """A copy of the forward pass with Dropout/BatchNormalization in training mode.
+
+    Returns (nodes, renamed outputs, BatchNorm statistic -> its updated value)."""
+    graph, opset_version = model.graph, _default_opset(model)
+    renamed: dict[str, str] = {}
+    statistics: dict[str, str] = {}
+    nodes = []
+    initial = set(initializer_names(graph))
+    true_name = None
+    for original in graph.node:
+        copy = NodeProto()
+        copy.CopyFrom(original)
+        copy.name = f"{original.name}.train" if original.name else ""
+        copy.input[:] = [renamed.get(n, n) for n in original.input]
+        copy.output[:] = []
+        for name in original.output:
+            renamed[name] = fresh(f"{name}.train") if name else ""
+            copy.output.append(renamed[name])
+        if original.op_type == "Dropout" and opset_version >= 12:
+            if true_name is None:
+                true_name = fresh("training_mode")
+                nodes.append(node("Constant", [], [true_name],
+                                  value=numpy_to_tensor(np.array(True), true_name)))
+            inputs = list(copy.input) + [""] * (2 - len(copy.input))
+            copy.input[:] = inputs[:2] + [true_name]
+        if original.op_type == "BatchNormalization" and not freeze_batchnorm and opset_version >= 14:
+            _train_batchnorm(copy, original, initial, fresh, statistics)
+        nodes.append(copy)
+    return nodes, renamed, statistics
+
+
+def _train_batchnorm(copy: NodeProto, original: NodeProto, initial: set[str], fresh: _Names,
+                     statistics: dict[str, str]) -> None:
+    for existing in list(copy.attribute):
+        if existing.name == "training_mode":
+            copy.attribute.remove(existing)
+    copy.attribute.append(attribute("training_mode", 1))
+    mean, variance = original.input[3], original.input[4]
+    outputs = [copy.output[0], fresh(f"{mean}.new"), fresh(f"{variance}.new")]
+    copy.output[:] = outputs
+    for statistic, updated in ((mean, outputs[1]), (variance, outputs[2])):
+        if statistic in initial:
+            statistics[statistic] = updated
+
+
+def _zeros(name: str, like: np.ndarray) -> SparseTensorProto:
+    """An all-zero initializer as a sparse tensor with no entries: optimizer slots start at zero,
+    and a dense copy would add twice the weights' size to the file."""
+    return SparseTensorProto(values=numpy_to_tensor(np.zeros(0, like.dtype), name),
+                             indices=numpy_to_tensor(np.zeros(0, np.int64)), dims=like.shape)
+
+
+def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.ndarray],
+                    fresh: _Names) -> tuple[GraphProto, dict[str, str]]:
+    """Nodes producing every initial value: zeros and counters as constants, redrawn weights
+    from RandomNormal (He scale: std = sqrt(2 / fan_in); biases to zero)."""
+    graph = GraphProto(name="initialize")
+    bound = {}
+    for state, value in {**names, **reinitialize}.items():
+        output = fresh(f"{state}.init")
+        if state in reinitialize and value.ndim >= 2:
+            fan_in = value.shape[0] if value.ndim == 2 else math.prod(value.shape[1:])
+            graph.node.append(node("RandomNormal", [], [output], shape=list(value.shape),
+                                   scale=math.sqrt(2.0 / fan_in), dtype=data_type_of(value.dtype)))
+        elif not value.any() and value.ndim:
+            shape = fresh(f"{state}.shape")
+            graph.node.append(node("Constant", [], [shape],
+                                   value=numpy_to_tensor(np.array(value.shape, np.int64), shape)))
+            graph.node.append(node("ConstantOfShape", [shape], [output],
+                                   value=numpy_to_tensor(np.zeros(1, value.dtype), "zero")))
+        else:
+            graph.node.append(node("Constant", [], [output],
+                                   value=numpy_to_tensor(np.zeros_like(value) if state in reinitialize
+                                                         else value, output)))
+        graph.output.append(tensor_value_info(output, data_type_of(value.dtype), list(value.shape)))
+        bound[state] = output
+    return graph, bound
+
+
+def make_training_model(
+    model: ModelSource,
+    loss: str | GraphProto | Any = "mse",
+    output: str | None = None,
+    optimizer: Optimizer | None = None,
+    trainable: Trainable = None,
+    *,
+    label: str = "labels",
+    train_mode: bool = True,
+    freeze_batchnorm: bool = False,
+    reinitialize: Iterable[str] = (),
+    lift_folded_weights: bool = False,
+) -> ModelProto:
+    """A copy of `model` with a standard TrainingInfoProto (see the module docstring).
+
+    loss: "mse", "l1", "cross_entropy" (logits vs class indices), "bce_with_logits", or a
+    graph (prediction, label) -> scalar loss. output: which model output is the prediction
+    (default: the first). label: the name of the label input the training step takes.
+    train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
+    become state) unless freeze_batchnorm. reinitialize: weights the initialization graph
+    redraws. lift_folded_weights: turn large float Constant nodes into trainable weights.
+    """
+    model = load_model(model)
+    if model.training_info:
+        raise BindingError("the model already has training_info; strip it first "
+                           "(or train it as it is with onnxtrain.Trainer)")
+    optimizer = optimizer or Adam()
+    folded = [n.output[0] for n in model.graph.node if _folded_weight(n, FOLDED_WEIGHT_SIZE) is not None]
+    if lift_folded_weights:
+        lift_constants(model)
+    elif folded:
+        warnings.warn(f"Constant nodes {folded[:5]}{' ...' if len(folded) > 5 else ''} hold large float "
+                      "tensors that look like weights an exporter folded; they stay fixed. Pass "
+                      "lift_folded_weights=True to train them.", stacklevel=2)
+    weights = trainable_names(model, trainable)
+    if not weights:
+        raise BindingError("no trainable weights: the main graph has no float initializers to train "
+                           "(or `trainable` selected none)")
+    outputs = {v.name: v for v in model.graph.output}
+    output = output or model.graph.output[0].name
+    if output not in outputs:
+        raise BindingError(f"output={output!r} is not an output of the model; outputs are {list(outputs)}")
+    loss_kind = loss if isinstance(loss, str) else "graph"
+    if isinstance(loss, str) and loss not in BUILT_IN:
+        raise BindingError(f"loss={loss!r} is not one of {sorted(BUILT_IN)} (or pass a loss graph)")
+    if loss_kind == "cross_entropy" and _default_opset(model) < 13:
+        raise BindingError("loss='cross_entropy' needs ai.onnx opset 13 or newer (SoftmaxCrossEntropyLoss); "
+                           "the model imports an older one. Pass a loss graph instead.")
+    fresh = _Names(model.graph)
+    values = graph_initializers(model.graph)
+    algorithm = GraphProto(name="train_step")
+
+    needs_training_mode = train_mode and any(
+        n.op_type == "Dropout" or (n.op_type == "BatchNormalization" and not freeze_batchnorm)
+        for n in model.graph.node)
+    statistics: dict[str, str] = {}
+    prediction = output
+    if needs_training_mode:
+        forward, renamed, statistics = _training_forward(model, fresh, freeze_batchnorm)
+        algorithm.node.extend(forward)
+        prediction = renamed[output]
+
+    if label in fresh.taken:
+        raise BindingError(f"label={label!r} is already a name in the model; pass another label name")
+    fresh.taken.add(label)
+    loss_name = fresh("loss")
+    if loss_kind == "graph":
+        loss_graph = GraphProto.FromString(loss.SerializeToString())
+        loss_nodes, loss_initializers = inline_loss_graph(loss_graph, prediction, label, loss_name, fresh)
+        algorithm.input.append(label_input("graph", outputs[output], label, loss_graph))
+    else:
+        loss_nodes, loss_initializers = BUILT_IN[loss_kind](prediction, label, loss_name, fresh)
+        algorithm.input.append(label_input(loss_kind, outputs[output], label))
+    algorithm.node.extend(loss_nodes)
+    algorithm.initializer.extend(loss_initializers)
+
+    data_inputs = [v.name for v in model.graph.input if v.name not in values]
+    gradients = [fresh(f"{w}.grad") for w in weights]
+    algorithm.node.append(node("Gradient", [*weights, *data_inputs, label], gradients,
+                               domain=TRAINING_DOMAIN, xs=weights, zs=[*data_inputs, label], y=loss_name))
+
+    lr, step, one = fresh("learning_rate"), fresh("step"), fresh("step.one")
+    slots = {slot: [fresh(f"{w}.{slot}") for w in weights] for slot in optimizer.slots}
+    new_weights = [fresh(f"{w}.new") for w in weights]
+    new_slots = {slot: [fresh(f"{name}.new") for name in names] for slot, names in slots.items()}
+    algorithm.node.append(node(
+        optimizer.op_type, [lr, step, *weights, *gradients, *[n for s in slots.values() for n in s]],
+        [*new_weights, *[n for s in new_slots.values() for n in s]],
+        domain=TRAINING_DOMAIN, **optimizer.attributes()))
+    new_step = fresh("step.new")
+    algorithm.node.append(node("Add", [step, one], [new_step]))
+
+    slot_values = {name: np.zeros_like(values[w]) for names in slots.values() for name, w in zip(names, weights)}
+    counters = {lr: np.array(optimizer.lr, np.float32), step: np.array(optimizer.first_step, np.int64)}
+    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in slot_values.items())
+    for name, value in {**counters, one: np.array(1, np.int64)}.items():
+        algorithm.initializer.append(numpy_to_tensor(value, name))
+
+    loss_type = outputs[output].type.tensor_type.elem_type or TensorProto.FLOAT
+    algorithm.output.append(tensor_value_info(loss_name, loss_type, []))
+    updates = dict(zip(weights, new_weights))
+    for slot in optimizer.slots:
+        updates.update(zip(slots[slot], new_slots[slot]))
+    updates.update(statistics)
+    updates[step] = new_step
+    for state, value_name in updates.items():
+        value = slot_values.get(state, values.get(state, counters.get(state)))
+        algorithm.output.append(tensor_value_info(value_name, data_type_of(value.dtype), list(value.shape)))
+
+    unknown = sorted(set(reinitialize) - set(weights))
+    if unknown:
+        raise BindingError(f"reinitialize names {unknown}, which are not trainable weights ({weights})")
+    redraw = {name: values[name] for name in reinitialize}
+    init_graph, init_bound = _initialization({**slot_values, **counters}, redraw, fresh)
+    info = TrainingInfoProto(algorithm=algorithm, initialization=init_graph)
+    info.update_binding.extend(bindings(updates))
+    info.initialization_binding.extend(bindings(init_bound))
+    model.training_info.append(info)
+    if not any(o.domain == TRAINING_DOMAIN for o in model.opset_import):
+        model.opset_import.append(opset(TRAINING_DOMAIN, 1))
+    model.ir_version = max(model.ir_version, 7)
+    validate(model)
+    return model
