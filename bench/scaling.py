@@ -75,9 +75,7 @@ def measure(model_name: str, steps: int) -> dict:
         start = time.perf_counter()
         float(trainer.step(batches[index % len(batches)])["loss"])
         times.append(time.perf_counter() - start)
-    program = trainer._steps[0]
-    feeds = trainer._placement.place_batch(program.check_feeds(batches[0]), program.where)
-    hlo = program.lowered(trainer._store, feeds).compile().as_text()
+    hlo = trainer.lowered(batches[0]).compile().as_text()
     return {"devices": jax.device_count(), "step_seconds": statistics.median(times),
             "communication_bytes": communication_bytes(hlo)}
 

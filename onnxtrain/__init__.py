@@ -1,6 +1,8 @@
 """onnxtrain: train ONNX models, following the training recipe the model carries.
 
-This module is the whole public surface; everything else is internal.
+This module is the whole public surface, with the submodules optim, fitting, cli, backend,
+translate, state and proto. Modules under onnxtrain._engine, onnxtrain._recipe and
+onnxtrain._io are internal and may change without notice.
 """
 
 from onnxtrain.errors import (
@@ -13,10 +15,12 @@ from onnxtrain.errors import (
     UnsupportedOpError,
 )
 from onnxtrain import optim
-from onnxtrain.builder import make_training_model
+from onnxtrain._engine.placement import ShardingAnnotationWarning
+from onnxtrain._io.model import load_model, save_model
+from onnxtrain._io.summary import describe
+from onnxtrain._recipe.builder import make_training_model
 from onnxtrain.finetune import FineTuner, finetune
 from onnxtrain.inference import run, translate_model
-from onnxtrain.model import load_model, save_model
 from onnxtrain.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -29,8 +33,10 @@ __all__ = [
     "ModelLoadError",
     "NumericError",
     "OnnxTrainError",
+    "ShardingAnnotationWarning",
     "Trainer",
     "UnsupportedOpError",
+    "describe",
     "finetune",
     "load_model",
     "make_training_model",

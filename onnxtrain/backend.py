@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from onnx.backend.base import Backend, BackendRep
 
-from onnxtrain.model import load_model
+from onnxtrain._io.model import load_model
 from onnxtrain.translate.model import TranslatedModel
 
 

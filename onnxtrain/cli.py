@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from onnxtrain.errors import InputError, OnnxTrainError
-from onnxtrain.model import load_model, save_model
-from onnxtrain.summary import describe
+from onnxtrain._io.model import load_model, save_model
+from onnxtrain._io.summary import describe
 
 DEMO_MODEL = "mlp_classifier.onnx"
 FINETUNE_DEMO_MODEL = "digits_cnn.onnx"
@@ -48,7 +48,7 @@ def _inspect(arguments: argparse.Namespace) -> int:
 
 def _make_training(arguments: argparse.Namespace) -> int:
     from onnxtrain import optim
-    from onnxtrain.builder import make_training_model
+    from onnxtrain._recipe.builder import make_training_model
 
     optimizer = {"adam": optim.Adam, "momentum": optim.Momentum, "sgd": optim.SGD,
                  "adagrad": optim.Adagrad}[arguments.optimizer](lr=arguments.lr)

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.builder import make_training_model
-from onnxtrain.model import load_model
+from onnxtrain._recipe.builder import make_training_model
+from onnxtrain._io.model import load_model
 from onnxtrain.optim import Adam
 from onnxtrain.trainer import Trainer
 

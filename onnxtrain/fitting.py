@@ -1,4 +1,4 @@
-"""The training loop shared by Trainer and FineTuner: epochs, progress bar, history, callbacks.
+"""The training loop of Trainer and FineTuner: epochs, progress bar, history, callbacks.
 
 History is Keras-like: `history[name]` lists every step's value of each scalar
 output (e.g. "loss"), `history["epoch_" + name]` the per-epoch means, and
@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from onnxtrain.batch_stacks import StackBuilder
+from onnxtrain._engine.batches import StackBuilder
+from onnxtrain._engine.faults import Stacked, Unsettled
 from onnxtrain.errors import InputError
-from onnxtrain.feeds import owned
+from onnxtrain._engine.feeds import owned
 
 Feeds = Mapping[str, Any]
 Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
@@ -26,17 +27,6 @@ Callback = Callable[[int, dict[str, float]], bool | None]
 
 def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
     return {name: float(np.asarray(value)) for name, value in outputs.items() if np.size(value) == 1}
-
-
-class Unsettled(dict):
-    """Outputs of a call whose NaN/Inf faults the host may not have read yet (StepProgram's
-    settle_later). `settle`, when set, acts on them: call it before using the values."""
-
-    settle: Callable[[], None] | None = None
-
-
-class Stacked(Unsettled):
-    """Outputs of several steps stacked along a first axis (from one compiled call)."""
 
 
 def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -115,14 +105,14 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
         def record(outputs: Any) -> None:
             for part in outputs:
-                if isinstance(part, Unsettled) and part.settle is not None:
+                if isinstance(part, Unsettled):
                     part.settle()
             for step in per_step_scalars(outputs):
                 for name, value in step.items():
                     history.setdefault(name, []).append(value)
                     epoch_values.setdefault(name, []).append(value)
             if progress:
-                # fmean, not np.mean: converting the list to an array cost 4 % of a small model's step.
+                # fmean, not np.mean: converting the list to an array shows in a small model's step time.
                 bar.set_postfix({name: f"{fmean(v[-20:]):.4g}" for name, v in epoch_values.items()},
                                 refresh=False)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-from onnxtrain.compilation_cache import enable_compilation_cache
-from onnxtrain.model import ModelSource, load_model
+from onnxtrain._engine.compilation_cache import enable_compilation_cache
+from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain.translate.model import TranslatedModel
 
 

@@ -1,17 +1,28 @@
-"""StateStore: the mutable variables of a training model and its PRNG key.
+"""StateStore: the mutable variables of a training model, their spare buffers and a PRNG key.
 
-Compiled steps take the whole store as a donated argument, so XLA updates the
-buffers in place. Two consequences shape this class:
-- changes are transactional: a step hands back a complete new set of values
-  and `commit` swaps it in at once; anything that raises before that leaves
-  every variable as it was;
-- values handed to users are copies: the store's own buffers are donated (and
-  so invalidated) by the next step, a copy stays valid.
+The store is the only thing that writes its values, and every change goes through one of
+a few calls, each of which swaps in a complete, consistent set of values at once:
+
+    spares(names)            buffers a compiled step may write the new values into (donated)
+    commit(updates, key)     swap in new values; with recycle=True the replaced ones become
+                             the next step's spares (double buffering)
+    keep(discarded)          a refused step: the state stays, its results become spares
+    set / restore / place    a user's value, a checkpoint, a move to other devices
+
+Two invariants hold after every call:
+- no two variables (and no variable and a spare) share a buffer, whatever the model binds:
+  a step donates the buffers, and one buffer cannot be donated twice;
+- values handed out are copies (StateView), since the store's own buffers are donated and
+  so invalidated by the next step.
+
+`transaction()` serializes callers: a step's spares, run and commit form one unit, so
+threads sharing a trainer neither lose updates nor read a donated buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -19,42 +30,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import InputError, ModelLoadError
-from onnxtrain.host_memory import aligned_host_array
+from onnxtrain.state.memory import device_copy, device_zeros
+
+Values = Mapping[str, jax.Array]
 
 
-def device_zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """Zeros on the device, made without compiling (jnp.zeros compiles a program per shape, too
-    quick for the persistent cache to keep, which a model with many shapes paid at every start)
-    and without writing them: fresh zeroed host memory is mapped by the OS only when first
-    written, and on CPU device_put of aligned memory keeps using it. Nothing else holds it."""
-    with jax.enable_x64(True):
-        return jax.device_put(aligned_host_array(shape, dtype, zeroed=True)).block_until_ready()
+def _distinct(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`values` with every array that stands under a second name replaced by a copy."""
+    seen: set[int] = set()
+    for name, value in values.items():
+        if id(value) in seen:
+            values[name] = device_copy(value)
+        seen.add(id(values[name]))
+    return values
 
 
-def _device_array(value: Any) -> jax.Array:
-    """A device copy of `value` that nothing else holds, made without compiling (see
-    device_zeros); a jax.ShapeDtypeStruct stands for zeros. On CPU, device_put of an aligned
-    host array aliases it, so that case is copied once more on the device; copying on the
-    host instead would write every zero page of a large array it was given."""
-    if isinstance(value, jax.ShapeDtypeStruct):
-        return device_zeros(value.shape, value.dtype)
-    with jax.enable_x64(True):
-        if isinstance(value, jax.Array):
-            # No target keeps an uncommitted array uncommitted (jit would otherwise see a new
-            # signature); an array spanning processes needs its sharding named.
-            target = None if value.is_fully_addressable else value.sharding
-            return jax.device_put(value, target, may_alias=False)
-        host = np.asarray(value)
-        copied = jax.device_put(host)
-        if _shares_memory(copied, host):
-            copied = jax.device_put(copied, may_alias=False)
-        # The transfer may still read the caller's buffer: finish it before the caller can reuse it.
-        return copied.block_until_ready()
-
-
-def _shares_memory(device: jax.Array, host: np.ndarray) -> bool:
-    start = host.__array_interface__["data"][0]
-    return start <= device.unsafe_buffer_pointer() < start + max(host.nbytes, 1)
+def _unshared(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`values`, copying where two names hold one array (a cheap check first: this runs every step)."""
+    if len({id(value) for value in values.values()}) == len(values):
+        return values
+    return _distinct(values)
 
 
 class StateView(Mapping):
@@ -67,7 +62,8 @@ class StateView(Mapping):
     def __getitem__(self, name: str) -> jax.Array:
         if name not in self._names:
             raise KeyError(name)
-        return _device_array(self._store.values[name])
+        with self._store.transaction():
+            return device_copy(self._store.values[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -76,38 +72,92 @@ class StateView(Mapping):
         return len(self._names)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{n}: {self._store.values[n].dtype}{list(self._store.values[n].shape)}"
-                           for n in self._names)
+        values = self._store.values
+        shapes = ", ".join(f"{n}: {values[n].dtype}{list(values[n].shape)}" for n in self._names)
         return f"<state {{{shapes}}}>"
 
 
 class StateStore:
-    """name -> device array, plus a PRNG key; replaced only as a whole."""
+    """name -> device array, plus a PRNG key and the spare buffers of double-buffered steps."""
 
     def __init__(self, values: Mapping[str, Any] | Iterable[tuple[str, Any]], key: jax.Array):
         """values: a mapping, or (name, value) pairs moved to the device one by one (so a
         generator decoding a large model's weights never holds them all on the host); a
         jax.ShapeDtypeStruct value stands for zeros (optimizer slots), made without writing."""
         pairs = values.items() if isinstance(values, Mapping) else values
-        self.values: dict[str, jax.Array] = {name: _device_array(v) for name, v in pairs}
+        self._values: dict[str, jax.Array] = {name: device_copy(v) for name, v in pairs}
         self.key = key
+        self._spares: dict[str, jax.Array] = {}
+        self._place: Callable[[Values], dict[str, jax.Array]] = dict
+        self._place_key: Callable[[jax.Array], jax.Array] = lambda key: key
+        self._lock = threading.RLock()
+
+    @property
+    def values(self) -> Values:
+        """The current values (the store's own buffers: read them, never keep them past a step)."""
+        return self._values
+
+    def transaction(self) -> threading.RLock:
+        """A reentrant lock; hold it across everything that reads, runs and commits one change."""
+        return self._lock
 
     def view(self, names: tuple[str, ...]) -> StateView:
         return StateView(self, names)
 
-    def commit(self, values: Mapping[str, jax.Array], key: jax.Array | None = None) -> None:
-        """Swap in a complete new set of values (and key) at once."""
-        if set(values) != set(self.values):
-            raise ValueError(f"commit must cover exactly the variables {sorted(self.values)}")
-        self.values = dict(values)
+    def nbytes(self, names: Iterable[str]) -> int:
+        return sum(self._values[name].nbytes for name in names)
+
+    def place(self, place_values: Callable[[Values], dict[str, jax.Array]],
+              place_key: Callable[[jax.Array], jax.Array]) -> None:
+        """Move every value (and the key) where `place_values` puts them; spares made later go
+        there too. The store's values keep that placement from then on."""
+        self._place, self._place_key = place_values, place_key
+        self._values = _distinct(place_values(self._values))
+        self.key = place_key(self.key)
+        self._spares.clear()
+
+    def spares(self, names: Iterable[str]) -> dict[str, jax.Array]:
+        """Buffers for a call to write the new values of `names` into (to donate to it): those
+        the last double-buffered commit replaced, zeros shaped like the values where there are
+        none. The caller owns them until it commits or keeps them."""
+        taken, missing = {}, {}
+        for name in names:
+            spare = self._spares.pop(name, None)
+            if spare is None:
+                value = self._values[name]
+                missing[name] = device_zeros(value.shape, value.dtype)
+            else:
+                taken[name] = spare
+        if missing:
+            taken.update(self._place(missing))
+        return taken
+
+    def commit(self, updates: Values, key: jax.Array | None = None, recycle: bool = False) -> None:
+        """Swap in new values for the variables in `updates` (and the key, unless None) at once.
+        recycle: keep the values they replace as spares (a double-buffered step read them
+        without donating them). A value passed through unchanged is the very same array: it
+        is never kept."""
+        old = self._values
+        unknown = set(updates) - set(old)
+        if unknown:
+            raise ValueError(f"commit names {sorted(unknown)}, which are not state variables")
+        self._values = _unshared({**old, **updates})
+        if recycle:
+            live = {id(value) for value in self._values.values()}
+            self._spares.update({name: old[name] for name in updates if id(old[name]) not in live})
         if key is not None:
             self.key = key
 
+    def keep(self, discarded: Values) -> None:
+        """A refused step: the state stays as it was; `discarded` (results nobody will read,
+        written into spares) become spares again."""
+        self._spares.update(discarded)
+
     def set(self, name: str, value: Any) -> None:
         """Replace one variable by a value of the same shape that its dtype holds exactly."""
-        if name not in self.values:
-            raise InputError(f"{name!r} is not a state variable; known: {sorted(self.values)}")
-        current = self.values[name]
+        if name not in self._values:
+            raise InputError(f"{name!r} is not a state variable; known: {sorted(self._values)}")
+        current = self._values[name]
         array = np.asarray(value)
         if array.shape != current.shape:
             raise InputError(f"state variable {name!r} has shape {list(current.shape)}; "
@@ -120,16 +170,17 @@ class StateStore:
             if not np.array_equal(converted.astype(array.dtype), array):
                 raise InputError(f"state variable {name!r} is {current.dtype}; {value!r} does not "
                                  "fit it exactly")
-        self.values = {**self.values, name: _device_array(converted)}
+        self._values = {**self._values, **self._place({name: device_copy(converted)})}
 
     def restore(self, values: Mapping[str, Any], key: jax.Array, source: str) -> None:
         """Replace everything by saved values, which must match the variables exactly."""
-        if set(values) != set(self.values):
+        if set(values) != set(self._values):
             raise ModelLoadError(f"{source} holds {sorted(values)} but this model's state is "
-                                 f"{sorted(self.values)}; it was saved from a different model")
+                                 f"{sorted(self._values)}; it was saved from a different model")
         for name, value in values.items():
-            current = self.values[name]
+            current = self._values[name]
             if np.shape(value) != current.shape or np.asarray(value).dtype != current.dtype:
                 raise ModelLoadError(f"{source}: {name!r} is {np.asarray(value).dtype}{list(np.shape(value))}, "
                                      f"the model's is {current.dtype}{list(current.shape)}")
-        self.commit({name: _device_array(value) for name, value in values.items()}, key)
+        self._values = _distinct(self._place({name: device_copy(value) for name, value in values.items()}))
+        self.key = self._place_key(key)

@@ -36,7 +36,7 @@ def _model(version: int):
 
 
 def _write_models(path: str, version: int, ready) -> None:
-    from onnxtrain.model import save_model
+    from onnxtrain._io.model import save_model
 
     ready.set()
     while True:
@@ -57,7 +57,7 @@ def _write_checkpoints(path: str, version: int, ready) -> None:
 
 
 def _read_model(path: str) -> set[float]:
-    from onnxtrain.model import load_model
+    from onnxtrain._io.model import load_model
     from onnxtrain.translate.tensors import tensor_to_numpy
 
     return set(np.unique(tensor_to_numpy(load_model(path).graph.initializer[0])).tolist())
@@ -78,7 +78,7 @@ KINDS = {"model": (_write_models, _read_model), "checkpoint": (_write_checkpoint
 def main(kind: str, folder: str, kills: int) -> None:
     write, read = KINDS[kind]
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["onnxtrain.model", "onnxtrain.state.checkpoint"])
+    context.set_forkserver_preload(["onnxtrain._io.model", "onnxtrain.state.checkpoint"])
     path = str(Path(folder) / "target")
     rng = random.Random(0)
     replaced, broken, previous = 0, [], None

@@ -119,9 +119,7 @@ def annotated() -> dict:
                                     nan_policy="ignore")
         losses = train(trainer, feeds)
         trainer.infer({"x": feeds[0]["x"]})
-    program = trainer._steps[0]
-    placed = trainer._placement.place_batch(program.check_feeds(feeds[0]), program.where)
-    lowered = program.lowered(trainer._store, placed)
+    lowered = trainer.lowered(feeds[0])
     compiled = lowered.compile()
     state_shardings = compiled.input_shardings[0][0]
     return {

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from host_buffers import host_array
-from onnxtrain.batch_stacks import same_signature_runs, stack
+from onnxtrain._engine.batches import same_signature_runs, stack
 from onnxtrain.fitting import _chunks
 
 

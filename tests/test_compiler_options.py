@@ -44,13 +44,12 @@ def _ynn_kernels(hlo: str) -> list[list[str]]:
 
 def _trainer_step_hlo(nan_policy: str) -> str:
     trainer = onnxtrain.Trainer(_training_model(), nan_policy=nan_policy)
-    program = trainer._steps[0]
-    return program.lowered(trainer._store, program.check_feeds(FEEDS)).compile().as_text()
+    return trainer.lowered(FEEDS).compile().as_text()
 
 
 def _finetuner_step_hlo() -> str:
     tuner = onnxtrain.finetune(_inference_model(), loss="cross_entropy")
-    return tuner.lowered(tuner._check_feeds(FEEDS)).compile().as_text()
+    return tuner.lowered(FEEDS).compile().as_text()
 
 
 def _forward_hlo() -> str:

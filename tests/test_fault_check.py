@@ -1,4 +1,4 @@
-"""The NaN/Inf check of checked steps (onnxtrain.fault_check): one flag per step, the faulty
+"""The NaN/Inf check of checked steps (onnxtrain._engine.faults): one flag per step, the faulty
 values named from the evidence.
 
 Oracle: numpy's isfinite on each value. Values cover both ways into the evidence (reduced by a
@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-from onnxtrain.fault_check import DOT_CHECK_ELEMENTS, any_fault, check, first_fault
+from onnxtrain._engine.faults import DOT_CHECK_ELEMENTS, any_fault, check, first_fault
 
 SHAPES = {"big": (160, 130), "big3d": (8, 40, 60), "small": (7, 11), "scalar": (), "empty": (0, 4), "vector": (300,)}
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.complex64]
@@ -136,8 +136,7 @@ def test_the_check_adds_a_kernel_per_big_value_and_three_in_all():
     for policy in ("raise", "ignore"):
         trainer = onnxtrain.Trainer(model, nan_policy=policy)
         trainer.step(feeds)
-        program = trainer._steps[0]
-        lowered = program.lowered(trainer._store, program.check_feeds(feeds))
+        lowered = trainer.lowered(feeds)
         kernels[policy] = _kernels(lowered.compile().as_text())
     big_values = 3  # W1 and its two Adam moments
     assert kernels["raise"] - kernels["ignore"] <= big_values + 6, kernels

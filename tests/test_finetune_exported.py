@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import onnxtrain
-import onnxtrain.spare_buffers
+import onnxtrain._engine.strategies as strategies
 from onnxtrain import optim
 from onnxtrain.proto import ValueInfoProto
 
@@ -95,24 +95,25 @@ def test_optax_adamw_with_cosine_schedule_fine_tunes_the_cnn_without_recompiling
     batches = [{"x": images[i:i + 64], "labels": labels[i:i + 64]} for i in range(0, 64 * 20, 64)]
     before = float(tuner.evaluate(batches[0])["loss"])
     tuner.step(batches[0])
+    tuner.fit(batches[:1], progress=False)   # fit's steps, which run ahead of the host, are a program of their own
     compiled = tuner.compilations
     history = tuner.fit(batches, epochs=3, progress=False)
     assert tuner.compilations == compiled
     assert history["epoch_loss"][-1] < 0.5 * before
-    assert len(history["loss"]) == 60
+    assert len(history["loss"]) == 60 and compiled == 3
 
 
-def test_fine_tuning_double_buffers_the_state_or_updates_it_in_place(monkeypatch):
+def test_fine_tuning_double_buffers_the_state_or_updates_it_in_place():
     """A fine-tuning step only reads the weights and optimizer state and writes the new values
     into the buffers the step before replaced; a large or small state (this one, unless the
-    threshold is lowered) is donated and updated in place instead (see onnxtrain.spare_buffers).
+    threshold is lowered) is donated and updated in place instead (see onnxtrain._engine.strategies).
     Oracles: each other's losses and weights, and the donated buffers JAX deleted."""
     model, _ = fixture("cnn")
     with np.load(Path(__file__).resolve().parent / "fixtures" / "digits.npz") as digits:
         batches = [{"x": digits["images"][i:i + 16], "labels": digits["labels"][i:i + 16]} for i in range(0, 64, 16)]
-    in_place = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
-    monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", 0)
-    double_buffered = onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3))
+    in_place, double_buffered = (onnxtrain.finetune(model, "cross_entropy", optax.adam(1e-3), nan_policy="ignore")
+                                 for _ in range(2))
+    double_buffered._runners[0].plan_as(strategies.SMALL_STATE_BYTES)
     replaced = []
     for batch in batches:
         before, before_in_place = list(double_buffered._store.values.values()), list(in_place._store.values.values())
@@ -125,5 +126,5 @@ def test_fine_tuning_double_buffers_the_state_or_updates_it_in_place(monkeypatch
     for name in double_buffered.state_names:
         np.testing.assert_allclose(np.asarray(in_place.state[name]), np.asarray(double_buffered.state[name]),
                                    rtol=1e-5, atol=1e-6, err_msg=name)
-    assert (double_buffered._jitted._cache_size(), double_buffered._in_place._cache_size()) == (1, 0)
-    assert (in_place._jitted._cache_size(), in_place._in_place._cache_size()) == (0, 1)
+    assert isinstance(double_buffered._runners[0].plan(double_buffered._store).single, strategies.DoubleBuffered)
+    assert isinstance(in_place._runners[0].plan(in_place._store).single, strategies.InPlace)

@@ -89,7 +89,7 @@ def test_steps_per_call_runs_the_same_steps_in_fewer_compiled_calls():
     assert len(history_scanned["loss"]) == 18
     for name in one.state_names:
         np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
-    assert scanned._steps[0]._scanned._cache_size() == 1   # every run of 4 shares one program
+    assert scanned._runners[0].plan(scanned._store).multi.compilations() == 1   # every run of 4 shares one program
 
 
 def _conv_training_model():
@@ -125,13 +125,15 @@ def test_steps_per_call_loop_on_the_device_unless_the_graph_convolves(convolves)
     np.testing.assert_allclose(chunked.fit(batches, progress=False, steps_per_call=4)["loss"], losses, rtol=1e-5)
     for name in one.state_names:
         np.testing.assert_allclose(chunked.state[name], one.state[name], rtol=1e-4, atol=1e-6)
-    program, store = chunked._steps[0], chunked._store
-    assert (program._scanned._cache_size(), program._link._cache_size()) == ((0, 1) if convolves else (1, 0))
+    runner, store = chunked._runners[0], chunked._store
+    plan = runner.plan(store)
+    assert type(plan.multi).__name__ == ("Chained" if convolves else "Scanned")
+    assert (plan.multi.compilations(), plan.linked.compilations()) == ((0, 1) if convolves else (1, 0))
     if not convolves:
         stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
         with jax.enable_x64(True):
-            lowered = program._scanned.lower(store.values, program._key(store), program.constants, stacked,
-                                             program._accepting).as_text()
+            lowered = plan.multi._run.lower(store.values, plan.multi.key(store), runner.step.constants, stacked,
+                                            runner.ledger.accepting).as_text()
         assert "stablehlo.while" in lowered
 
 

@@ -45,13 +45,12 @@ def _trainer_hlo() -> str:
     model = onnxtrain.make_training_model(conv_classifier(KERNEL, DENSE), loss="cross_entropy",
                                           optimizer=onnxtrain.optim.Adam(lr=1e-3))
     trainer = onnxtrain.Trainer(model, nan_policy="ignore")
-    program = trainer._steps[0]
-    return program.lowered(trainer._store, program.check_feeds(FEEDS)).compile().as_text()
+    return trainer.lowered(FEEDS).compile().as_text()
 
 
 def _finetuner_hlo() -> str:
     tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), optimizer=optax.adam(1e-3))
-    return tuner.lowered(tuner._check_feeds(FEEDS)).compile().as_text()
+    return tuner.lowered(FEEDS).compile().as_text()
 
 
 @pytest.mark.parametrize("hlo", [_trainer_hlo, _finetuner_hlo], ids=["Trainer", "FineTuner"])

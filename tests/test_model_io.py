@@ -14,7 +14,7 @@ import onnx.external_data_helper
 import pytest
 
 import onnxtrain
-import onnxtrain.model
+import onnxtrain._io.model
 from model_factory import tensors_everywhere_model
 from onnxtrain import ExportError, load_model, save_model
 from onnxtrain.proto import ModelProto, TensorProto
@@ -125,7 +125,7 @@ def test_named_side_file_and_inline_save(tmp_path, reference):
 
 
 def test_models_over_the_protobuf_limit_go_external_automatically(tmp_path, reference, monkeypatch):
-    monkeypatch.setattr(onnxtrain.model, "PROTOBUF_LIMIT", 20_000)
+    monkeypatch.setattr(onnxtrain._io.model, "PROTOBUF_LIMIT", 20_000)
     path = tmp_path / "big.onnx"
     save_model(reference, path, size_threshold=256)
     assert (tmp_path / "big.onnx.data").exists()
@@ -145,7 +145,7 @@ def test_a_failed_save_leaves_the_old_file_and_the_model_intact(tmp_path, refere
     def failing_replace(source, target):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(onnxtrain.model.os, "replace", failing_replace)
+    monkeypatch.setattr(onnxtrain._io.model.os, "replace", failing_replace)
     with pytest.raises(ExportError, match="No space left"):
         save_model(model, path, external_data=True, size_threshold=256)
     assert path.read_bytes() == old

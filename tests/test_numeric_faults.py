@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-import onnxtrain.programs
+import onnxtrain._engine.strategies
 from onnxtrain import NumericError
 
 RNG = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def _assert_same(a, b):
 @pytest.fixture(params=["double-buffered", "check-then-update"])
 def strategy(request, monkeypatch):
     if request.param == "check-then-update":
-        monkeypatch.setattr(onnxtrain.programs, "LARGE_STATE_BYTES", 0)
+        monkeypatch.setattr(onnxtrain._engine.strategies, "LARGE_STATE_BYTES", 0)
     return request.param
 
 
@@ -97,7 +97,7 @@ CHUNKED = {"scanned": (MODEL, False, None), "chained": (_conv_model(), True, Non
 def _chunked(chunks, monkeypatch):
     model, conv, threshold = CHUNKED[chunks]
     if threshold:
-        monkeypatch.setattr(onnxtrain.programs, threshold, 0)
+        monkeypatch.setattr(onnxtrain._engine.strategies, threshold, 0)
     return model, conv
 
 
@@ -148,7 +148,8 @@ def test_checked_steps_recycle_buffers_without_mixing_values(strategy):
     for feeds in good:
         reference.step(feeds)
     _assert_same(_state(checked), _state(reference))
-    assert checked._steps[0]._check_pass._cache_size() == (strategy == "check-then-update")
+    single = checked._runners[0].plan(checked._store).single
+    assert isinstance(single, onnxtrain._engine.strategies.CheckThenUpdate) == (strategy == "check-then-update")
 
 
 def test_ignore_applies_the_faulty_step():

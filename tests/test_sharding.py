@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import Mesh
 
 import onnxtrain
-from onnxtrain.sharding import ShardingAnnotationWarning
+from onnxtrain import ShardingAnnotationWarning
 
 WORKER = Path(__file__).resolve().parent / "sharding_worker.py"
 sys.path.insert(0, str(WORKER.parent))

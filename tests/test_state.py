@@ -104,11 +104,59 @@ def test_empty_sparse_initializers_come_as_their_shape_when_asked():
     np.testing.assert_array_equal(dict(iter_initializers(graph))["empty"], np.zeros((2, 3)))
 
 
-def test_commit_requires_every_variable():
+def _buffers(store: StateStore) -> list[int]:
+    return [value.unsafe_buffer_pointer() for value in store.values.values()]
+
+
+def test_commit_swaps_in_the_named_variables_and_refuses_unknown_names():
     store = _store()
-    with pytest.raises(ValueError):
-        store.commit({"W": store.values["W"]})
-    assert set(store.values) == {"W", "T"}
+    with pytest.raises(ValueError, match="not state variables"):
+        store.commit({"V": store.values["W"]})
+    before_t = store.values["T"]
+    store.commit({"W": store.values["W"] * 2})
+    np.testing.assert_array_equal(store.values["W"], np.arange(6).reshape(2, 3) * 2)
+    assert store.values["T"] is before_t
+
+
+def test_no_two_variables_ever_share_a_buffer():
+    """One array committed under two names (an initialization output bound to two variables),
+    restored from one host array, or passed through unchanged: every variable gets its own
+    buffer, so a step may donate them all."""
+    store = StateStore({"a": np.zeros(3, np.float32), "b": np.ones(3, np.float32), "c": np.ones(3, np.float32)},
+                       jax.random.key(0))
+    shared = jax.numpy.full(3, 5.0, np.float32)
+    store.commit({"a": shared, "b": shared})
+    assert len(set(_buffers(store))) == 3
+    np.testing.assert_array_equal(store.values["b"], [5, 5, 5])
+    store.commit({"c": store.values["a"]})
+    assert len(set(_buffers(store))) == 3
+    host = np.full(3, 7.0, np.float32)
+    store.restore({"a": host, "b": host, "c": host}, jax.random.key(1), "test")
+    assert len(set(_buffers(store))) == 3
+    donate = jax.jit(lambda values: {k: v + 1 for k, v in values.items()}, donate_argnums=0)
+    store.commit(donate(dict(store.values)))
+    np.testing.assert_array_equal(store.values["c"], [8, 8, 8])
+
+
+def test_recycled_values_become_spares_and_spares_never_alias_state():
+    store = _store()
+    first = store.spares(["W"])["W"]
+    assert first.unsafe_buffer_pointer() not in _buffers(store)
+    old_w = store.values["W"]
+    store.commit({"W": first + 1}, recycle=True)
+    assert store.spares(["W"])["W"] is old_w
+    # A value passed through unchanged stays state: it is never handed out as a spare.
+    store.commit({"W": store.values["W"]}, recycle=True)
+    assert store.spares(["W"])["W"].unsafe_buffer_pointer() not in _buffers(store)
+
+
+def test_keep_returns_a_refused_steps_buffers_to_the_spares():
+    store = _store()
+    refused = {"W": store.spares(["W"])["W"]}
+    before = dict(store.values)
+    store.keep(refused)
+    assert store.values == before
+    assert store.spares(["W"])["W"] is refused["W"]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -16,7 +16,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-import onnxtrain.spare_buffers
+import onnxtrain._engine.strategies as strategies
 from model_factory import conv_classifier
 from onnxtrain.translate.compiler_options import jit_with_options
 
@@ -53,8 +53,7 @@ def _hand_written_hlo(x, labels) -> str:
 def _step_hlo(trainer: onnxtrain.Trainer, feeds: dict) -> str:
     """The optimized HLO of the trainer's step. Trainers here use nan_policy "ignore": the
     hand-written step has no NaN/Inf check, whose zero matrix-vector products add dots."""
-    program = trainer._steps[0]
-    return program.lowered(trainer._store, program.check_feeds(feeds)).compile().as_text()
+    return trainer.lowered(feeds).compile().as_text()
 
 
 def test_forward_pass_is_computed_once_per_step():
@@ -140,9 +139,9 @@ def _two_conv_model():
     return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.Adam(lr=1e-3))
 
 
-def _two_conv_feeds(program) -> dict:
-    return program.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
-                                "labels": RNG.integers(0, 5, 8).astype(np.int64)})
+def _two_conv_feeds(runner) -> dict:
+    return runner.step.check_feeds({"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32),
+                                    "labels": RNG.integers(0, 5, 8).astype(np.int64)})
 
 
 def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
@@ -151,13 +150,18 @@ def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
     the new values in scratch memory until the select writes them over the old ones (ResNet-18:
     175 against 86 MB of scratch, fresh pages every step, 1.16x the time)."""
     trainer = onnxtrain.Trainer(_two_conv_model())
-    program, store = trainer._steps[0], trainer._store
-    feeds = _two_conv_feeds(program)
-    donating = jit_with_options(program._chain_link, donate_argnums=0)
+    runner, store = trainer._runners[0], trainer._store
+    linked, feeds = runner.plan(store).linked, _two_conv_feeds(runner)
+    constants, accepting = runner.step.constants, runner.ledger.accepting
+
+    def donated_link(state, key, constants, feeds, accepting):
+        return strategies._selecting_step(linked, state, key, constants, feeds, accepting)
+
     with jax.enable_x64(True):
-        ours = program._link.lower(store.values, program._spare_buffers(store.values), None, program.constants,
-                                   feeds, program._accepting).compile()
-        theirs = donating.lower(store.values, None, program.constants, feeds, program._accepting).compile()
+        ours = linked._run.lower(store.values, store.spares(runner.step.bound), None, constants, feeds,
+                                 accepting).compile()
+        theirs = jit_with_options(donated_link, donate_argnums=0).lower(
+            store.values, None, constants, feeds, accepting).compile()
     assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes
     assert any(alias for alias in re.findall(r"input_output_alias=\{([^}]*)\}", ours.as_text()))
 
@@ -167,13 +171,14 @@ def test_unchecked_steps_write_into_spare_buffers_and_need_less_scratch(monkeypa
     state and writes the new values into spare buffers. Donating the state instead, XLA keeps
     copies of the weights the backward pass reads in scratch memory next to the gradients
     (ResNet-18: 134 against 48 MB of scratch, fresh pages every step, 1.2x the time)."""
-    monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", 0)
+    monkeypatch.setattr(strategies, "SMALL_STATE_BYTES", 0)
     trainer = onnxtrain.Trainer(_two_conv_model(), nan_policy="ignore")
-    program, store = trainer._steps[0], trainer._store
-    feeds = _two_conv_feeds(program)
-    ours = program.lowered(store, feeds).compile()
+    runner, store = trainer._runners[0], trainer._store
+    feeds = _two_conv_feeds(runner)
+    ours = trainer.lowered(feeds).compile()
+    in_place = strategies.InPlace(runner.step, trainer._placement, runner.ledger)
     with jax.enable_x64(True):
-        theirs = program._in_place.lower(store.values, None, program.constants, feeds).compile()
+        theirs = in_place._run.lower(store.values, None, runner.step.constants, feeds).compile()
     assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes
     assert re.findall(r"copy\(%state__\w+__", theirs.as_text())
     assert not re.findall(r"copy\(%state__\w+__", ours.as_text())

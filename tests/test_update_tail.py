@@ -1,4 +1,4 @@
-"""The update tail (onnxtrain.update_tail), the checked step that recomputes it in place, and
+"""The update tail (onnxtrain._engine.update_tail), the checked step that recomputes it in place, and
 which unchecked steps update the state in place rather than double-buffer it.
 
 Oracles: the structure of the graphs (which node is the optimizer, which values are the
@@ -13,9 +13,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-import onnxtrain.spare_buffers
+import onnxtrain._engine.strategies as strategies
 from onnxtrain.translate.model import TranslatedModel
-from onnxtrain.update_tail import update_tail
+from onnxtrain._engine.update_tail import update_tail
 
 RNG = np.random.default_rng(7)
 
@@ -45,11 +45,11 @@ OPTIMIZERS = {"Adam": onnxtrain.optim.Adam(lr=0.05), "Momentum": onnxtrain.optim
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_built_models_tail_is_its_optimizer_and_step_counter_fed_by_the_gradients(optimizer):
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=OPTIMIZERS[optimizer])
-    program = onnxtrain.Trainer(model)._steps[0]
-    plan = program.translated.plan
-    assert sorted(plan.nodes[i].proto.op_type for i in program.tail.nodes) == sorted([optimizer, "Add"])
+    step = onnxtrain.Trainer(model)._runners[0].step
+    plan = step.translated.plan
+    assert sorted(plan.nodes[i].proto.op_type for i in step.tail.nodes) == sorted([optimizer, "Add"])
     gradient = next(spec for spec in plan.nodes if spec.proto.op_type == "Gradient")
-    assert sorted(program._tail_inputs) == sorted(gradient.proto.output)
+    assert sorted(step.tail_inputs) == sorted(gradient.proto.output)
 
 
 def test_values_something_else_uses_stay_out_of_the_tail():
@@ -75,10 +75,14 @@ def test_values_something_else_uses_stay_out_of_the_tail():
 
 
 def _large(trainer):
-    """`trainer`, its step program taking the state for a large one (see LARGE_STATE_BYTES)
-    whatever its size; other trainers keep the real threshold."""
-    trainer._steps[0]._large_state = lambda store: True
+    """`trainer`, its steps planned as for a large state (see LARGE_STATE_BYTES) whatever its
+    size; other trainers keep the real threshold."""
+    trainer._runners[0].plan_as(strategies.LARGE_STATE_BYTES)
     return trainer
+
+
+def _plan(trainer):
+    return trainer._runners[0].plan(trainer._store)
 
 
 def _trainers(model, feeds):
@@ -87,8 +91,9 @@ def _trainers(model, feeds):
     double_buffered, lean = onnxtrain.Trainer(model, seed=5), _large(onnxtrain.Trainer(model, seed=5))
     first = float(double_buffered.step(feeds)["loss"])
     np.testing.assert_allclose(float(lean.step(feeds)["loss"]), first, rtol=1e-6)
-    assert lean._steps[0]._check_pass._cache_size() == 1
-    assert double_buffered._steps[0]._check_pass._cache_size() == 0
+    assert isinstance(_plan(lean).single, strategies.CheckThenUpdate)
+    assert isinstance(_plan(double_buffered).single, strategies.DoubleBuffered)
+    assert _plan(lean).single.compilations() == 2
     return double_buffered, lean
 
 
@@ -99,29 +104,28 @@ def test_check_then_update_follows_the_double_buffered_step_with_random_ops():
                                           optimizer=onnxtrain.optim.Adam(lr=0.05))
     batches = _feeds(6)
     double_buffered, lean = _trainers(model, batches[0])
-    assert lean._steps[0].random
+    assert lean._runners[0].step.random
     for feeds in batches[1:]:
         np.testing.assert_allclose(float(lean.step(feeds)["loss"]), float(double_buffered.step(feeds)["loss"]),
                                    rtol=1e-6)
     for name in lean.state_names:
         np.testing.assert_allclose(np.asarray(lean.state[name]), np.asarray(double_buffered.state[name]),
                                    rtol=1e-6, atol=1e-7, err_msg=name)
-    assert double_buffered._steps[0]._check_pass._cache_size() == 0
+    assert isinstance(_plan(double_buffered).single, strategies.DoubleBuffered)
 
 
 def test_check_then_update_writes_in_place_and_compiles_once():
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
     feeds = _feeds(4)
     _, trainer = _trainers(model, feeds[0])
-    program = trainer._steps[0]
+    single = _plan(trainer).single
     for batch in feeds[1:]:
         before = dict(trainer._store.values)
-        gradients = dict(program._spare_tail_inputs)
+        gradients = dict(single._scratch)
         trainer.step(batch)
-        assert all(before[name].is_deleted() for name, _ in program.bindings)
+        assert all(before[name].is_deleted() for name in trainer._runners[0].step.bound)
         assert all(value.is_deleted() for value in gradients.values())
-    assert program._check_pass._cache_size() == 1 and program._update_pass._cache_size() == 1
-    assert program._jitted._cache_size() == 0
+    assert (single._check._cache_size(), single._update._cache_size()) == (1, 1)
 
 
 @pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
@@ -134,7 +138,7 @@ def test_fit_on_a_large_state_steps_one_call_at_a_time(nan_policy):
     chunked = _large(onnxtrain.Trainer(model, nan_policy=nan_policy))
     history = chunked.fit(batches, progress=False, steps_per_call=4)
     np.testing.assert_allclose(history["loss"], losses, rtol=1e-6)
-    assert chunked._steps[0]._scanned._cache_size() == 0
+    assert _plan(chunked).multi is None
 
 
 def test_unchecked_steps_double_buffer_or_update_in_place_with_the_same_history():
@@ -143,9 +147,9 @@ def test_unchecked_steps_double_buffer_or_update_in_place_with_the_same_history(
     the donated state."""
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
     double_buffered = onnxtrain.Trainer(model, nan_policy="ignore")
-    double_buffered._steps[0]._updates_in_place = lambda store: False
+    double_buffered._runners[0].plan_as(strategies.SMALL_STATE_BYTES)
     in_place = onnxtrain.Trainer(model, nan_policy="ignore")
-    bound = [name for name, _ in double_buffered._steps[0].bindings]
+    bound = double_buffered._runners[0].step.bound
     replaced = {}
     for feeds in _feeds(5):
         before, before_in_place = dict(double_buffered._store.values), dict(in_place._store.values)
@@ -158,35 +162,31 @@ def test_unchecked_steps_double_buffer_or_update_in_place_with_the_same_history(
     for name in double_buffered.state_names:
         np.testing.assert_allclose(np.asarray(in_place.state[name]), np.asarray(double_buffered.state[name]),
                                    rtol=1e-6, atol=1e-7, err_msg=name)
-    program, small = double_buffered._steps[0], in_place._steps[0]
-    assert (program._jitted._cache_size(), program._in_place._cache_size()) == (1, 0)
-    assert (small._jitted._cache_size(), small._in_place._cache_size()) == (0, 1)
+    assert isinstance(_plan(double_buffered).single, strategies.DoubleBuffered)
+    assert isinstance(_plan(in_place).single, strategies.InPlace)
+    assert _plan(double_buffered).single.compilations() == _plan(in_place).single.compilations() == 1
 
 
 @pytest.mark.parametrize("nan_policy", ["ignore", "raise"])
-def test_unchecked_steps_update_small_and_large_states_in_place(monkeypatch, nan_policy):
+def test_unchecked_steps_update_small_and_large_states_in_place(nan_policy):
     """Below SMALL_STATE_BYTES and from LARGE_STATE_BYTES of bound state on, an unchecked step
     updates in place, double-buffers between; a checked one never updates in place."""
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
-    trainer = onnxtrain.Trainer(model, nan_policy=nan_policy)
-    program, store = trainer._steps[0], trainer._store
-    size = program._bound_bytes(store)
-    for small, large, in_place in ((size + 1, size + 2, True), (size, size + 1, False), (0, size, True)):
-        monkeypatch.setattr(onnxtrain.spare_buffers, "SMALL_STATE_BYTES", small)
-        monkeypatch.setattr(onnxtrain.spare_buffers, "LARGE_STATE_BYTES", large)
-        assert program._updates_in_place(store) == (in_place and nan_policy == "ignore"), (small, large)
+    runner = onnxtrain.Trainer(model, nan_policy=nan_policy)._runners[0]
+    for size, in_place in ((strategies.SMALL_STATE_BYTES - 1, True), (strategies.SMALL_STATE_BYTES, False),
+                           (strategies.LARGE_STATE_BYTES - 1, False), (strategies.LARGE_STATE_BYTES, True)):
+        single = runner.plan_as(size).single
+        assert isinstance(single, strategies.InPlace) == (in_place and nan_policy == "ignore"), size
 
 
 def test_a_checked_step_on_a_large_state_has_no_single_program_to_lower():
-    """StepProgram.lowered() refuses it rather than lower a program the step does not run; an
-    unchecked step on a large state lowers its in-place program."""
+    """lowered() refuses it rather than lower a program the step does not run; an unchecked
+    step on a large state lowers its in-place program."""
     model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
     feeds = _feeds(1)[0]
     checked, unchecked = (_large(onnxtrain.Trainer(model, nan_policy=policy)) for policy in ("raise", "ignore"))
-    program = checked._steps[0]
     with pytest.raises(onnxtrain.InputError, match=r"training_info\[0\]: a checked step on a state this large runs as "
                                                     r"two programs"):
-        program.lowered(checked._store, program.check_feeds(feeds))
-    program = unchecked._steps[0]
-    hlo = program.lowered(unchecked._store, program.check_feeds(feeds)).as_text()
-    assert "jit__step" in hlo and "jit__spare_step" not in hlo
+        checked.lowered(feeds)
+    hlo = unchecked.lowered(feeds).as_text()
+    assert isinstance(_plan(unchecked).single, strategies.InPlace) and "jit__call" in hlo

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain.host_memory import aligned_host_array
+from onnxtrain.state.memory import aligned_host_array
 
 Feeds = Mapping[str, Any]
 

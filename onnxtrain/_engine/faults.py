@@ -1,25 +1,34 @@
-"""The NaN/Inf check of a checked training step (nan_policy "raise" and "skip"), built for XLA:CPU.
+"""The NaN/Inf guard of a checked training step (nan_policy "raise" and "skip"), and the life
+cycle of its results.
 
-On XLA:CPU every kernel of a compiled program costs a launch per step and 0.7-1 MB of
-resident code, so the check is shaped to add few. The watched values go into one float32
-vector, the evidence: a tensor of DOT_CHECK_ELEMENTS or more enters as its product with a
-zero vector (0 * x is NaN exactly where x is NaN or Inf, and a matrix-vector product is
-XLA:CPU's fastest full pass over a big tensor: vectorized and threaded), a smaller one as
-it is. XLA copies the small ones into the evidence with one kernel and reduces it to the
-step's flag with another. A flag per value took three kernels per value instead: the
-benchmark MLP's checked step had 73 kernels, now 47 (41 unchecked); its 8-step scan 98
-fusions, now 62; a process after fit ~7 MB less resident. The host reads the flag every step
-and the evidence only after a fault, to name the faulty values.
+The check is shaped for XLA:CPU, where every kernel of a program costs a launch per step
+and resident code: the watched values go into one float32 vector, the evidence (a big
+tensor enters as its product with a zero vector, since 0 * x is NaN exactly where x is NaN
+or Inf and a matrix-vector product is XLA:CPU's fastest full pass; a small one as it is),
+which one more kernel reduces to the step's flag. The host reads the flag every step and
+the evidence only after a fault, to name the faulty values (bench/RESULTS.md, "Design
+measurements", has the kernel counts).
+
+A FaultLedger carries one step function's checks through their life cycle:
+
+    watch (traced, inside the step) -> defer (a call ran ahead of the host)
+        -> settle (the host reads the flags, oldest first) -> report (raise or log)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from onnxtrain.errors import InputError, NumericError
+
+logger = logging.getLogger("onnxtrain")
+NAN_POLICIES = ("raise", "skip", "ignore")
 
 # Watched tensors from this many elements on are reduced by a matrix-vector product before
 # they enter the evidence; smaller ones are copied in whole.
@@ -96,3 +105,90 @@ def first_fault(faults: Faults, layout: EvidenceLayout) -> tuple[int, list[str]]
     first = int(np.argmax(flags))
     evidence = np.asarray(faults.evidence).reshape(len(flags), -1)[first]
     return first, layout.faulty(evidence)
+
+
+def check_policy(policy: str) -> None:
+    if policy not in NAN_POLICIES:
+        raise InputError(f"nan_policy={policy!r} is not one of {NAN_POLICIES}")
+
+
+class Unsettled(dict):
+    """Outputs of a call whose NaN/Inf flags the host may not have read yet: call settle()
+    before using the values (it raises or logs as the policy says)."""
+
+    def __init__(self, values: Any, ledger: FaultLedger | None = None, call: int | None = None):
+        super().__init__(values)
+        self._ledger, self._call = ledger, call
+
+    def settle(self) -> None:
+        if self._ledger is not None:
+            self._ledger.settle(through=self._call)
+
+
+class Stacked(Unsettled):
+    """Outputs of several steps stacked along a first axis (from one compiled call)."""
+
+
+class FaultLedger:
+    """One step function's NaN/Inf policy, the layout its check traced, and the faults of
+    calls that ran ahead of the host, oldest first. Under "raise" a call that runs ahead
+    starts from `accepting`, a device flag that turns False after a fault, so the calls
+    after a faulty one change nothing and the state stays the last good one."""
+
+    def __init__(self, policy: str, where: str, replicate: Callable[[Any], Any], lock: Any):
+        check_policy(policy)
+        self._lock = lock
+        self.policy = policy
+        self.checked = policy != "ignore"
+        self.where = where
+        self._replicate = replicate
+        self._layout = EvidenceLayout((), ())
+        self._pending: list[tuple[int, Faults]] = []
+        self._calls = 0
+        self.accepting = self._fresh_flag()
+
+    def _fresh_flag(self) -> jax.Array:
+        return self._replicate(jnp.asarray(True))
+
+    def watch(self, named_values: Sequence[tuple[str, Any]]) -> Faults | None:
+        """Inside a traced step: the Faults of the float values among `named_values`, or None
+        when unchecked."""
+        if not self.checked:
+            return None
+        watched = [(n, v) for n, v in named_values if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
+        self._layout, faults = check(watched)
+        return faults
+
+    def defer(self, outputs: Unsettled, faults: Faults | None) -> Unsettled:
+        """`outputs` of a call that ran ahead, its faults queued for settle()."""
+        if faults is None:
+            return outputs
+        self._calls += 1
+        self._pending.append((self._calls, faults))
+        return type(outputs)(outputs, self, self._calls)
+
+    def settle(self, through: int | None = None) -> None:
+        """Read the flags of deferred calls up to call number `through` (all by default),
+        oldest first, waiting for the device, and report the first fault. After a fault under
+        "raise" the later calls were no-ops: they are dropped with it."""
+        with self._lock:
+            while self._pending and (through is None or self._pending[0][0] <= through):
+                _, faults = self._pending.pop(0)
+                if any_fault(faults):
+                    self._pending.clear()
+                    self.accepting = self._fresh_flag()
+                    self.report(faults, "step")
+
+    def report(self, faults: Faults, step: str) -> None:
+        """Act on a faulty call as the policy says: log under "skip", else NumericError."""
+        first, names = first_fault(faults, self._layout)
+        where = f"{self.where} {step}"
+        steps_in_call = np.size(faults.flag)
+        if steps_in_call > 1:
+            where += f" (step {first} of a {steps_in_call}-step call)"
+        if self.policy == "skip":
+            logger.warning("%s produced NaN/Inf in %s; skipped, state unchanged", where, names)
+            return
+        raise NumericError(f"{where} produced NaN or Inf in {names}; the state keeps its last good "
+                           "values. Lower the learning rate, check the data, or pass "
+                           "nan_policy='skip' to skip such steps.")

@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from onnxtrain.errors import InputError
 from onnxtrain.proto import ModelProto, NodeProto, ShardingSpecProto
-from onnxtrain.state.store import StateStore
 from onnxtrain.translate.graph import GraphPlan
 from onnxtrain.translate.node import NodeSpec, node_label
 
@@ -82,10 +81,6 @@ class Placement:
 
     def place_state(self, values: Mapping[str, Any]) -> dict[str, Any]:
         return dict(values)
-
-    def place_store(self, store: StateStore) -> None:
-        """Put every value of `store` (and its key) where the steps expect it, after a change
-        made outside a step. Nothing to move on the default device."""
 
     def constrain_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return state
@@ -156,9 +151,6 @@ class MeshPlacement(Placement):
 
     def place_state(self, values: Mapping[str, Any]) -> dict[str, Any]:
         return {name: _put(value, self.sharding_of(name)) for name, value in values.items()}
-
-    def place_store(self, store: StateStore) -> None:
-        store.commit(self.place_state(store.values), self.replicate(store.key))
 
     def constrain_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Inside a step: the new state keeps the old state's sharding (so donation works)."""

@@ -2,7 +2,7 @@
 that turn gradients and old state into the bound new values (the optimizer ops, a counter's
 increment). Recomputing them costs one more pass over the state, where computing the whole
 new state before writing any of it costs a second copy of the state; a checked step on a large
-model takes the first (see StepProgram).
+model takes the first (see strategies.CheckThenUpdate).
 """
 
 from __future__ import annotations

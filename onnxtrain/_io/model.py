@@ -22,7 +22,7 @@ from typing import BinaryIO, Union
 from google.protobuf.message import DecodeError, EncodeError
 
 from onnxtrain.errors import ExportError, ModelLoadError
-from onnxtrain.external_data import load_external_tensors, mark_external, uses_external_data
+from onnxtrain._io.external_data import load_external_tensors, mark_external, uses_external_data
 from onnxtrain.proto import ModelProto, TensorProto
 from onnxtrain.proto.walk import iter_tensors
 from onnxtrain.translate.tensors import (

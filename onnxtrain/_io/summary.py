@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain.proto import GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto
 from onnxtrain.proto.walk import iter_graphs
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
@@ -81,8 +82,22 @@ def unsupported_ops(model: ModelProto) -> list[str]:
     return sorted(missing)
 
 
-def describe(model: ModelProto) -> str:
-    """Outline of the model: opsets, graphs, and each training recipe's state and bindings."""
+def describe(model: ModelSource) -> str:
+    """An outline of a model: opsets, graphs, and each training recipe's state and bindings.
+
+    Args:
+        model: a path, bytes, file object or ModelProto.
+
+    Returns:
+        Several lines of text (what `onnxtrain inspect` prints).
+
+    Raises:
+        ModelLoadError: the model cannot be read.
+
+    Example:
+        >>> print(onnxtrain.describe("model.onnx"))
+    """
+    model = load_model(model)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
     producer = " ".join(filter(None, (model.producer_name, model.producer_version)))
     lines = [f"ONNX model, IR version {model.ir_version}" + (f", produced by {producer}" if producer else "")]

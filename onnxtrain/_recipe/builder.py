@@ -16,48 +16,24 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from onnxtrain._io.model import ModelSource, load_model
+from onnxtrain._recipe.objective import FLOATS, Names, Trainable, objective, trainable_names
+from onnxtrain._recipe.training_info import validate
 from onnxtrain.errors import BindingError
-from onnxtrain.losses import BUILT_IN, inline_loss_graph, label_input
-from onnxtrain.model import ModelSource, load_model
 from onnxtrain.optim import Adam, Optimizer
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TrainingInfoProto
-from onnxtrain.proto.make import attribute, bindings, node, opset, tensor_value_info
-from onnxtrain.training import validate
-from onnxtrain.translate.graph import graph_initializers, initializer_names
-from onnxtrain.translate.model import static_input_names
+from onnxtrain.proto.make import bindings, node, opset, tensor_value_info
+from onnxtrain.translate.graph import graph_initializers
 from onnxtrain.translate.registry import TRAINING_DOMAIN, normalize_domain
 from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor, tensor_to_numpy
 
 # Float Constant nodes at least this large look like weights an exporter folded.
 FOLDED_WEIGHT_SIZE = 64
-_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
-Trainable = Iterable[str] | Callable[[str, np.ndarray], bool] | None
-
-
-class _Names:
-    """Fresh names that collide with nothing in the model."""
-
-    def __init__(self, graph: GraphProto):
-        self.taken = {v.name for v in [*graph.input, *graph.output, *graph.value_info]}
-        self.taken |= set(initializer_names(graph))
-        self.taken |= {name for n in graph.node for name in n.output}
-
-    def __call__(self, wanted: str) -> str:
-        name, counter = wanted, 1
-        while name in self.taken:
-            counter += 1
-            name = f"{wanted}.{counter}"
-        self.taken.add(name)
-        return name
-
-
-def _default_opset(model: ModelProto) -> int:
-    return next((o.version for o in model.opset_import if normalize_domain(o.domain) == ""), 0)
 
 
 def lift_constants(model: ModelProto, min_size: int = FOLDED_WEIGHT_SIZE) -> list[str]:
@@ -82,78 +58,7 @@ def _folded_weight(item: NodeProto, min_size: int) -> np.ndarray | None:
     if attribute.name != "value":
         return None
     value = tensor_to_numpy(attribute.t, f"Constant {item.output[0]!r}")
-    return value if value.dtype in _FLOATS and value.size >= min_size else None
-
-
-def _batchnorm_statistics(graph: GraphProto) -> set[str]:
-    return {n.input[i] for n in graph.node if n.op_type == "BatchNormalization" for i in (3, 4)
-            if len(n.input) > i}
-
-
-def trainable_names(model: ModelProto, trainable: Trainable = None) -> list[str]:
-    """Float initializers to train: all (default) but shapes and BatchNorm statistics, or those
-    named, or those a predicate(name, value) accepts."""
-    values = graph_initializers(model.graph)
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
-    excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
-    candidates = [n for n, v in values.items() if v.dtype in _FLOATS and n not in excluded]
-    if trainable is None:
-        return candidates
-    if callable(trainable):
-        return [n for n in candidates if trainable(n, values[n])]
-    names = list(trainable)
-    unknown = [n for n in names if n not in candidates]
-    if unknown:
-        raise BindingError(f"trainable names {unknown} are not float weights of the main graph; "
-                           f"candidates are {candidates}")
-    return names
-
-
-def _training_forward(model: ModelProto, fresh: _Names, freeze_batchnorm: bool
-                      ) -> tuple[list[NodeProto], dict[str, str], dict[str, str]]:
-    """A copy of the forward pass with Dropout/BatchNormalization in training mode.
-
-    Returns (nodes, renamed outputs, BatchNorm statistic -> its updated value)."""
-    graph, opset_version = model.graph, _default_opset(model)
-    renamed: dict[str, str] = {}
-    statistics: dict[str, str] = {}
-    nodes = []
-    initial = set(initializer_names(graph))
-    true_name = None
-    for original in graph.node:
-        copy = NodeProto()
-        copy.CopyFrom(original)
-        copy.name = f"{original.name}.train" if original.name else ""
-        copy.input[:] = [renamed.get(n, n) for n in original.input]
-        copy.output[:] = []
-        for name in original.output:
-            renamed[name] = fresh(f"{name}.train") if name else ""
-            copy.output.append(renamed[name])
-        if original.op_type == "Dropout" and opset_version >= 12:
-            if true_name is None:
-                true_name = fresh("training_mode")
-                nodes.append(node("Constant", [], [true_name],
-                                  value=numpy_to_tensor(np.array(True), true_name)))
-            inputs = list(copy.input) + [""] * (2 - len(copy.input))
-            copy.input[:] = inputs[:2] + [true_name]
-        if original.op_type == "BatchNormalization" and not freeze_batchnorm and opset_version >= 14:
-            _train_batchnorm(copy, original, initial, fresh, statistics)
-        nodes.append(copy)
-    return nodes, renamed, statistics
-
-
-def _train_batchnorm(copy: NodeProto, original: NodeProto, initial: set[str], fresh: _Names,
-                     statistics: dict[str, str]) -> None:
-    for existing in list(copy.attribute):
-        if existing.name == "training_mode":
-            copy.attribute.remove(existing)
-    copy.attribute.append(attribute("training_mode", 1))
-    mean, variance = original.input[3], original.input[4]
-    outputs = [copy.output[0], fresh(f"{mean}.new"), fresh(f"{variance}.new")]
-    copy.output[:] = outputs
-    for statistic, updated in ((mean, outputs[1]), (variance, outputs[2])):
-        if statistic in initial:
-            statistics[statistic] = updated
+    return value if value.dtype in FLOATS and value.size >= min_size else None
 
 
 def _zeros(name: str, like: np.ndarray) -> SparseTensorProto:
@@ -164,7 +69,7 @@ def _zeros(name: str, like: np.ndarray) -> SparseTensorProto:
 
 
 def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.ndarray],
-                    fresh: _Names) -> tuple[GraphProto, dict[str, str]]:
+                    fresh: Names) -> tuple[GraphProto, dict[str, str]]:
     """Nodes producing every initial value: zeros and counters as constants, redrawn weights
     from RandomNormal (He scale: std = sqrt(2 / fan_in); biases to zero)."""
     graph = GraphProto(name="initialize")
@@ -228,43 +133,14 @@ def make_training_model(
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
                            "(or `trainable` selected none)")
+    part = objective(model, loss, output, label, train_mode, freeze_batchnorm)
+    if part.loss is None:
+        raise BindingError("make_training_model writes the loss as ONNX nodes: pass a loss name or a loss "
+                           "graph (prediction, label) -> scalar, not a Python function (finetune takes those)")
+    fresh, statistics, loss_name, output = part.fresh, part.statistics, part.loss, part.output
     outputs = {v.name: v for v in model.graph.output}
-    output = output or model.graph.output[0].name
-    if output not in outputs:
-        raise BindingError(f"output={output!r} is not an output of the model; outputs are {list(outputs)}")
-    loss_kind = loss if isinstance(loss, str) else "graph"
-    if isinstance(loss, str) and loss not in BUILT_IN:
-        raise BindingError(f"loss={loss!r} is not one of {sorted(BUILT_IN)} (or pass a loss graph)")
-    if loss_kind == "cross_entropy" and _default_opset(model) < 13:
-        raise BindingError("loss='cross_entropy' needs ai.onnx opset 13 or newer (SoftmaxCrossEntropyLoss); "
-                           "the model imports an older one. Pass a loss graph instead.")
-    fresh = _Names(model.graph)
     values = graph_initializers(model.graph)
-    algorithm = GraphProto(name="train_step")
-
-    needs_training_mode = train_mode and any(
-        n.op_type == "Dropout" or (n.op_type == "BatchNormalization" and not freeze_batchnorm)
-        for n in model.graph.node)
-    statistics: dict[str, str] = {}
-    prediction = output
-    if needs_training_mode:
-        forward, renamed, statistics = _training_forward(model, fresh, freeze_batchnorm)
-        algorithm.node.extend(forward)
-        prediction = renamed[output]
-
-    if label in fresh.taken:
-        raise BindingError(f"label={label!r} is already a name in the model; pass another label name")
-    fresh.taken.add(label)
-    loss_name = fresh("loss")
-    if loss_kind == "graph":
-        loss_graph = GraphProto.FromString(loss.SerializeToString())
-        loss_nodes, loss_initializers = inline_loss_graph(loss_graph, prediction, label, loss_name, fresh)
-        algorithm.input.append(label_input("graph", outputs[output], label, loss_graph))
-    else:
-        loss_nodes, loss_initializers = BUILT_IN[loss_kind](prediction, label, loss_name, fresh)
-        algorithm.input.append(label_input(loss_kind, outputs[output], label))
-    algorithm.node.extend(loss_nodes)
-    algorithm.initializer.extend(loss_initializers)
+    algorithm = part.graph
 
     data_inputs = [v.name for v in model.graph.input if v.name not in values]
     gradients = [fresh(f"{w}.grad") for w in weights]

@@ -29,7 +29,7 @@ def _placeholder(tensor: TensorProto) -> TensorProto:
     return TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
 
 
-def _concatenated(name: str, graphs: Iterable[GraphProto], placeholders: Container[str]) -> GraphProto:
+def concatenated(name: str, graphs: Iterable[GraphProto], placeholders: Container[str]) -> GraphProto:
     """The graphs' fields concatenated in order; initializers named in `placeholders` (state a
     trainer passes in itself) keep no data, so a large model's weights are not copied."""
     result = GraphProto(name=name)
@@ -53,13 +53,13 @@ def _concatenated(name: str, graphs: Iterable[GraphProto], placeholders: Contain
 def combined_graph(model: ModelProto, index: int, placeholders: Container[str] = frozenset()) -> GraphProto:
     """Main graph ⊕ training_info[index].algorithm, concatenated field by field in that order."""
     main, algorithm = model.graph, model.training_info[index].algorithm
-    return _concatenated(f"{main.name}+{algorithm.name}" if algorithm.name else main.name,
+    return concatenated(f"{main.name}+{algorithm.name}" if algorithm.name else main.name,
                          (main, algorithm), placeholders)
 
 
 def light_graph(graph: GraphProto, placeholders: Container[str]) -> GraphProto:
     """A copy of `graph` whose initializers in `placeholders` keep no data."""
-    return _concatenated(graph.name, (graph,), placeholders)
+    return concatenated(graph.name, (graph,), placeholders)
 
 
 def model_of(model: ModelProto, graph: GraphProto) -> ModelProto:

@@ -1,0 +1,157 @@
+"""Core: what Trainer and FineTuner share. They differ only in how a step computes its updates
+(the model's algorithm graph, or jax.value_and_grad and optax); everything else is here.
+
+The store's transaction lock serializes every call that reads or changes state, so threads
+sharing one trainer each get whole calls applied in some order. A step's path:
+
+    Core.step -> StepRunner.run -> strategy (strategies.py) -> compiled step -> StateStore.commit
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from onnxtrain._engine.batches import same_signature_runs, stack
+from onnxtrain._engine.feeds import owned
+from onnxtrain._engine.placement import Placement
+from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
+from onnxtrain._engine.runner import StepRunner
+from onnxtrain._engine.strategies import StepFunction
+from onnxtrain._io.export import Home, write_model
+from onnxtrain.errors import InputError
+from onnxtrain.fitting import Batches, Callback, fit
+from onnxtrain.proto import ModelProto
+from onnxtrain.state import checkpoint
+from onnxtrain.state.store import StateStore, StateView
+
+# Inference draws from its own stream of the state's key, so it never replays a step's numbers.
+_INFERENCE_STREAM = 0x1F
+
+
+class Core:
+    """A store of state, the step functions that update it and the inference program that reads it."""
+
+    def __init__(self, model: ModelProto, store: StateStore, placement: Placement, steps: Sequence[StepFunction],
+                 nan_policy: str, inference: InferenceProgram, home: Home, state_names: Sequence[str],
+                 other_programs: Sequence[Program] = ()):
+        """model: the model without the stored values' payloads (see export.without_payloads);
+        home: where each exported value's initializer lives; state_names: what `state` shows."""
+        self._model = model
+        self._store = store
+        self._placement = placement
+        store.place(placement.place_state, placement.replicate)
+        self._runners = [StepRunner(step, nan_policy, placement, store.transaction()) for step in steps]
+        self._inference = inference
+        self._home = dict(home)
+        self._other_programs = list(other_programs)
+        self.state_names: tuple[str, ...] = tuple(state_names)
+
+    @property
+    def state(self) -> StateView:
+        """The state variables, read-only; each value read is a copy that stays valid."""
+        return self._store.view(self.state_names)
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled so far (one per program and input signature)."""
+        programs = [self._inference, *self._other_programs]
+        return sum(runner.compilations() for runner in self._runners) + sum(p.compilations() for p in programs)
+
+    def set_state(self, name: str, value: Any) -> None:
+        """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
+        with self._store.transaction():
+            self._store.set(name, value)
+
+    def _runner(self, algorithm: int) -> StepRunner:
+        if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._runners):
+            raise InputError(f"algorithm={algorithm!r}: the model has {len(self._runners)} "
+                             f"TrainingInfoProto(s), numbered 0..{len(self._runners) - 1}")
+        return self._runners[algorithm]
+
+    def _placed(self, runner: StepRunner, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        return self._placement.place_batch(runner.step.check_feeds(feeds), runner.step.where)
+
+    def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
+        """One training step; returns the outputs no binding consumes (e.g. the loss)."""
+        runner = self._runner(algorithm)
+        with self._store.transaction():
+            return runner.run(self._store, self._placed(runner, feeds))
+
+    def step_inputs(self, algorithm: int = 0) -> list[str]:
+        """The feed names step(feeds, algorithm) takes."""
+        return list(self._runner(algorithm).step.check_feeds.names)
+
+    def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
+        """What step() would return for these feeds, without changing any state."""
+        runner = self._runner(algorithm)
+        with self._store.transaction():
+            return runner.evaluate(self._store, self._placed(runner, feeds))
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """The main graph's outputs with the current state; changes nothing."""
+        with self._store.transaction():
+            checked = self._placement.replicate(self._inference.check_feeds(feeds))
+            key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
+            return self._inference.run(self._store.values, checked, key)
+
+    def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
+            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None,
+            steps_per_call: int = 1) -> dict[str, list[float]]:
+        """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
+
+        batches: a re-iterable collection of feed dicts, or a function returning a fresh
+        iterable each epoch. eval_data: batches whose outputs (e.g. the loss) are computed from
+        the current state, without updating it, after every epoch. callbacks: callback(epoch,
+        logs) after every epoch; returning True stops training. steps_per_call: run this many
+        consecutive same-shaped batches per compiled call, saving the per-step dispatch.
+        Whatever the chunk size, values and NaN/Inf checks are read back a chunk later, while
+        the device runs the next chunk. Other threads' calls may run between chunks.
+        """
+        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
+                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
+
+    def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
+        """One step per batch; each run of same-shaped batches is one compiled call whose
+        outputs come back stacked. Every feed is checked before any step runs."""
+        return self._run_steps(batches, algorithm)
+
+    def _run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0,
+                   settle_later: bool = False) -> list[Mapping[str, Any]]:
+        runner, place = self._runner(algorithm), self._placement
+        where = runner.step.where
+        with self._store.transaction():
+            # Uncopied: a run of batches is stacked into a new array (or, from fit, rows of one
+            # that holds fit's own copies: see batches.StackBuilder); a single batch is copied.
+            checked = [place.check_batch(runner.step.check_feeds(feeds, copy=False), where) for feeds in batches]
+            return [runner.run_many(self._store, place.place_batch(stack(run), where, stacked=True), settle_later)
+                    if len(run) > 1 else
+                    runner.run(self._store, place.place_batch(owned(run[0]), where), settle_later=settle_later)
+                    for run in same_signature_runs(checked)]
+
+    def lowered(self, feeds: Mapping[str, Any], algorithm: int = 0) -> jax.stages.Lowered:
+        """The single step step() compiles for `feeds`, lowered but not run: for reading its HLO."""
+        runner = self._runner(algorithm)
+        with self._store.transaction():
+            return runner.lowered(self._store, self._placed(runner, feeds))
+
+    def _write(self, path: str | os.PathLike, training: bool, external_data: bool | str | None) -> None:
+        with self._store.transaction():
+            values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
+            key = self._store.key
+        write_model(self._model, values, self._home, path, key if training else None, external_data)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save every state variable, optimizer slot, hyperparameter and the PRNG key (no pickle)."""
+        with self._store.transaction():
+            values, key = host_copy(self._store.values), self._store.key
+        checkpoint.save_checkpoint(path, values, key, {"model": self._model.graph.name})
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restore a checkpoint saved from the same model (by this kind of trainer)."""
+        values, key, _ = checkpoint.load_checkpoint(path)
+        with self._store.transaction():
+            self._store.restore(values, key, f"checkpoint {str(path)!r}")

@@ -1,0 +1,1 @@
+"""Model I/O: loading and saving models, external data, export of trained values, inspect (internal)."""
