@@ -223,6 +223,8 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, {platform.system()}"
 
 
+# The section of RESULTS.md a run keeps as it was: figures behind design choices, measured once.
+KEPT_SECTION = "## Design measurements"
 HOW_MEASURED = """\
 ## How measured
 
@@ -342,7 +344,10 @@ def main() -> None:
             f"({os.cpu_count()} cores; well above 0 before the run means other work shared the machine).",
             f"Batch {BATCH}, float32; {rounds} rounds; warm-up / timed steps per process: {steps}." if timed else "",
         ]
-        (BENCH / "RESULTS.md").write_text("\n\n".join(filter(None, [*header, *report, HOW_MEASURED])))
+        results = BENCH / "RESULTS.md"
+        kept = results.read_text().partition(KEPT_SECTION)[2] if results.exists() else ""
+        kept = [KEPT_SECTION + kept.rstrip("\n") + "\n"] if kept else []
+        results.write_text("\n\n".join(filter(None, [*header, *report, HOW_MEASURED, *kept])))
         print(f"\nwrote {BENCH / 'RESULTS.md'}")
 
 
