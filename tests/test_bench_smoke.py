@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from support import paths
+
+ROOT = paths.REPO
 
 
 def _load(path: Path, name: str):
@@ -17,9 +21,9 @@ def _load(path: Path, name: str):
 
 
 def _bench_run_module(monkeypatch):
-    """bench/run.py as a module. Its `import models` must find bench/models.py, not the
-    tests/training/models.py that pytest may have imported under that name; monkeypatch puts
-    back whatever was there for the tests that come next."""
+    """bench/run.py as a module. Its `import models` must find bench/models.py, not any other
+    module imported under that name before; monkeypatch puts back whatever was there for the
+    tests that come next."""
     monkeypatch.setitem(sys.modules, "models", _load(ROOT / "bench" / "models.py", "models"))
     return _load(ROOT / "bench" / "run.py", "bench_run")
 
@@ -61,6 +65,7 @@ def test_time_ratios_pair_the_processes_of_each_round(monkeypatch):
     assert line.split("|")[6].strip() == "1.10"
 
 
+@pytest.mark.slow
 def test_quick_benchmark_prints_a_table_with_every_jax_system():
     """The multi-step rows' first losses come from their first call: the spread check covers them."""
     systems = ["onnxtrain-step", "onnxtrain-fit", "jax-handwritten", "jax-handwritten-scan"]
@@ -73,6 +78,7 @@ def test_quick_benchmark_prints_a_table_with_every_jax_system():
     assert "over 4 systems" in done.stdout and "MISMATCH" not in done.stdout
 
 
+@pytest.mark.slow
 def test_memory_benchmark_runs_every_policy_and_entry_point_on_a_tiny_model():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--layers", "2", "--width", "64"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -84,6 +90,7 @@ def test_memory_benchmark_runs_every_policy_and_entry_point_on_a_tiny_model():
     assert all("(peak - baseline) / (state + activations) = " in row for row in rows)
 
 
+@pytest.mark.slow
 def test_kernel_profile_lists_kernels_of_both_steps():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--model", "mlp", "--steps", "3", "--top", "2"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -98,6 +105,7 @@ def test_kernel_profile_lists_kernels_of_both_steps():
         assert float(lines[index].split(": ")[1].split(" us")[0]) > 0
 
 
+@pytest.mark.slow
 def test_training_step_benchmark_checks_and_times_a_dense_and_an_image_model():
     """bench/training_step.py --quick on the MLP (checked exactly against the hand-written step)
     and ResNet-18 (checked loosely, as its ReLU kinks and max pooling round differently)."""

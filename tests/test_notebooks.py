@@ -12,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from support import paths
+
+pytestmark = pytest.mark.slow  # each notebook runs in a fresh Jupyter kernel
+
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = paths.REPO / "notebooks"
 
 
 def _run(name: str, tmp_path: Path) -> str:

@@ -18,7 +18,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import paths
+
+pytestmark = pytest.mark.slow  # builds a wheel with pip, and a virtual environment
+
+ROOT = paths.REPO
 RUNTIME_DEPENDENCIES = {"jax", "jaxlib", "protobuf", "optax", "numpy", "tqdm"}
 
 
@@ -67,7 +71,6 @@ def test_wheel_declares_exactly_the_runtime_dependencies(wheel):
     assert "onnxtrain = onnxtrain.cli:main" in archive.read(entry_points).decode()
 
 
-@pytest.mark.slow
 def test_fresh_install_imports_onnxtrain_and_nothing_at_top_level(wheel, tmp_path):
     env = tmp_path / "env"
     venv.create(env, with_pip=True)

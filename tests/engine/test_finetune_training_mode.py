@@ -58,6 +58,7 @@ def _batchnorm_statistics(model: onnxtrain.proto.ModelProto) -> dict[str, np.nda
     return dict(iter_initializers(model.graph, names.__contains__))
 
 
+@pytest.mark.slow
 def test_one_step_updates_running_statistics_as_the_spec_says(tmp_path):
     """running = momentum * running + (1 - momentum) * batch statistic, per the ONNX spec (batch
     variance unbiased or not is the spec's; we check the mean, which is unambiguous)."""

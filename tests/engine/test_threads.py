@@ -1,6 +1,6 @@
 """One Trainer shared by several threads: every step applied exactly once, every save whole.
 
-The model is a two-feature linear regression (tests/training/models.py) trained by plain
+The model is a two-feature linear regression (tests/support/training_models.py) trained by plain
 SGD, W -= LR * dloss/dW and the same for B, with an int64 step counter T (T <- T + 1 in
 update_binding). T, W and B are all main-graph initializers, so even an inference export
 (training=False) carries the counter. Every step gets the same feeds, so the state after c
@@ -21,7 +21,6 @@ every step, so a state torn between two steps, or a lost or doubled step, cannot
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +32,9 @@ import onnxruntime
 import pytest
 from onnx import helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
-from models import (LABEL, algorithm_graph, f32, gradient, linreg_graph, linreg_loss_and_grads,  # noqa: E402
-                    make_training_model, mse_nodes, tensor)
-
-import onnxtrain  # noqa: E402
+import onnxtrain
+from support.training_models import (LABEL, algorithm_graph, f32, gradient, linreg_graph, linreg_loss_and_grads,
+                                     make_training_model, mse_nodes, tensor)
 
 THREADS, STEPS_PER_THREAD = 8, 100
 SAVER_STEPS, MIN_SAVES, MAX_SAVES = 1000, 10, 400
@@ -193,7 +190,7 @@ SAVERS = {
 }
 
 
-@pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
+@pytest.mark.parametrize("nan_policy", [pytest.param("raise", marks=pytest.mark.slow), "ignore"])  # checked: slower
 @pytest.mark.parametrize("saver", list(SAVERS))
 def test_saving_while_another_thread_steps_writes_whole_states(saver, nan_policy, tmp_path):
     """The saving thread saves to a new file over and over until the stepping thread is done

@@ -1,0 +1,106 @@
+"""Kill-at-random-points harness for tests/state/test_crash_safety.py (run as a script).
+
+    python tests/state/crash_harness.py model|checkpoint FOLDER KILLS
+
+Writers run in child processes forked from a server that has imported
+onnxtrain (each start is cheap) and rewrite one file in a loop, each version
+holding a tensor filled with its version number. The harness SIGKILLs each
+writer a random moment after it is ready, then reads the file back. It prints
+one JSON line: the kills, how many replaced the file, and every read that
+failed or mixed versions. It is a script, not test code, because
+multiprocessing children must not re-import a pytest process's main module.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZE = 1 << 19   # 2 MiB of float32: a write takes ~10 ms, so kills land before, during and after
+
+
+def _model(version: int):
+    from onnxtrain.proto import GraphProto, ModelProto
+    from onnxtrain.translate.tensors import numpy_to_tensor
+
+    graph = GraphProto(name="g", initializer=[numpy_to_tensor(np.full(SIZE, version, np.float32), "W")])
+    return ModelProto(ir_version=9, graph=graph)
+
+
+def _write_models(path: str, version: int, ready) -> None:
+    from onnxtrain._io.model import save_model
+
+    ready.set()
+    while True:
+        save_model(_model(version), path)
+        version += 1
+
+
+def _write_checkpoints(path: str, version: int, ready) -> None:
+    import jax
+
+    from onnxtrain.state.checkpoint import save_checkpoint
+
+    key = jax.random.key(0)
+    ready.set()
+    while True:
+        save_checkpoint(path, {"W": np.full(SIZE, version, np.float32), "T": np.array(version)}, key)
+        version += 1
+
+
+def _read_model(path: str) -> set[float]:
+    from onnxtrain._io.model import load_model
+    from onnxtrain.translate.tensors import tensor_to_numpy
+
+    return set(np.unique(tensor_to_numpy(load_model(path).graph.initializer[0])).tolist())
+
+
+def _read_checkpoint(path: str) -> set[float]:
+    from onnxtrain.state.checkpoint import load_checkpoint
+
+    values, _, _ = load_checkpoint(path)
+    assert values["W"].shape == (SIZE,)
+    return set(np.unique(values["W"]).tolist()) | {float(values["T"])}
+
+
+
+KINDS = {"model": (_write_models, _read_model), "checkpoint": (_write_checkpoints, _read_checkpoint)}
+
+
+def main(kind: str, folder: str, kills: int) -> None:
+    write, read = KINDS[kind]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["onnxtrain._io.model", "onnxtrain.state.checkpoint"])
+    path = str(Path(folder) / "target")
+    rng = random.Random(0)
+    replaced, broken, previous = 0, [], None
+    for kill in range(1, kills + 1):
+        ready = context.Event()
+        writer = context.Process(target=write, args=(path, kill * 1000, ready))
+        writer.start()
+        ready.wait(timeout=60)
+        time.sleep(rng.uniform(0.0, 0.05) if previous is not None else 0.5)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        try:
+            values = read(path)
+        except Exception as error:  # noqa: BLE001 - any failure to read is what we count
+            broken.append(f"kill {kill}: {type(error).__name__}: {error}")
+            continue
+        if len(values) != 1:
+            broken.append(f"kill {kill}: torn file mixes versions {sorted(values)}")
+        replaced += previous is not None and values != previous
+        previous = values
+    print(json.dumps({"kills": kills, "replaced": replaced, "broken": broken}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
