@@ -96,7 +96,7 @@ def test_fresh_install_imports_onnxtrain_and_nothing_at_top_level(wheel, tmp_pat
 
 
 def test_importing_onnxtrain_loads_optax_only_for_fine_tuning():
-    """Trainer users never pay optax's import (~4 MB, ~0.1 s); the fine-tuning tests show
+    """Trainer users never pay optax's import; the fine-tuning tests show
     FineTuner still gets it where it is used."""
     script = "import sys, onnxtrain\nprint('optax' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)

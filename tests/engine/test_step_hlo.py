@@ -150,8 +150,8 @@ def _two_conv_feeds(runner) -> dict:
 def test_fit_linked_steps_write_into_spare_buffers_and_need_less_scratch():
     """fit's steps (run ahead of the host reading their NaN/Inf checks) select old-or-new
     state into spare buffers and only read the old state. Donating the state instead keeps
-    the new values in scratch memory until the select writes them over the old ones (ResNet-18:
-    175 against 86 MB of scratch, fresh pages every step, 1.16x the time)."""
+    the new values in scratch memory until the select writes them over the old ones (measured
+    in bench/RESULTS.md, "Design measurements")."""
     trainer = onnxtrain.Trainer(_two_conv_model())
     runner, store = trainer._runners[0], trainer._store
     linked, feeds = runner.plan(store).linked, _two_conv_feeds(runner)
@@ -173,7 +173,7 @@ def test_unchecked_steps_write_into_spare_buffers_and_need_less_scratch(monkeypa
     """Under nan_policy "ignore" a step (on a state of SMALL_STATE_BYTES or more) reads the
     state and writes the new values into spare buffers. Donating the state instead, XLA keeps
     copies of the weights the backward pass reads in scratch memory next to the gradients
-    (ResNet-18: 134 against 48 MB of scratch, fresh pages every step, 1.2x the time)."""
+    (measured in bench/RESULTS.md, "Design measurements")."""
     monkeypatch.setattr(strategies, "SMALL_STATE_BYTES", 0)
     trainer = onnxtrain.Trainer(_two_conv_model(), nan_policy="ignore")
     runner, store = trainer._runners[0], trainer._store

@@ -76,8 +76,8 @@ def test_shape_values_become_zeros_of_that_shape_and_dtype(dtype):
 
 
 def test_device_zeros_take_no_memory_until_written_and_can_be_updated_in_place():
-    """Optimizer slots start as device_zeros: a 100M-parameter model's Adam slots (800 MB)
-    must not be resident while the model's weights are still being loaded."""
+    """Optimizer slots start as device_zeros: a large model's Adam slots must not be resident
+    while the model's weights are still being loaded."""
     before = _resident_mib()
     zeros = device_zeros((64, 1024, 1024), np.float32)
     assert _resident_mib() - before < 32
