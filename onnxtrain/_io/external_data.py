@@ -180,6 +180,19 @@ def _problem(error: OSError) -> str:
     return f"cannot be opened ({error.strerror or error}); check the model's folder"
 
 
+def _open_problem(error: OSError) -> str:
+    """Why an entry could not be opened, when readlink cannot read it as a link either.
+
+    The name is one component opened with O_NOFOLLOW, so an open refused as "a
+    link" (ELOOP; EMLINK on FreeBSD) whose link readlink then cannot read means
+    the entry was replaced or removed in between.
+    """
+    if error.errno in (errno.ELOOP, errno.EMLINK):
+        return ("changed while it was being opened; load the model again once its folder "
+                "stops changing")
+    return _problem(error)
+
+
 def _refused(where: str, location: str, at: str, what: str) -> ModelLoadError:
     place = "" if at in ("", location) else f" (at {at!r})"
     return ModelLoadError(f"{where}: external data file {_shown(location)}{place} {what}")
@@ -272,7 +285,7 @@ class _Walk:
             try:
                 target = os.readlink(name, dir_fd=self.folders[-1])
             except OSError:
-                raise self.refuse(_problem(error), name) from None
+                raise self.refuse(_open_problem(error), name) from None
         self._follow(name, target)
         return None
 

@@ -9,6 +9,7 @@ fallback used where there is no dir_fd (Windows).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from collections.abc import Iterator
@@ -249,6 +250,24 @@ def test_empty_link_target_is_refused_by_the_walk(folder, descriptor_walk, monke
                         lambda name, dir_fd=None: "" if name == "w.bin" else real_readlink(name, dir_fd=dir_fd))
     os.symlink("real.bin", folder / "w.bin")
     refused(folder, "w.bin", "empty symbolic link")
+
+
+@posix_only
+@pytest.mark.parametrize("then", [errno.EINVAL, errno.ENOENT])
+def test_a_link_replaced_between_open_and_readlink(folder, descriptor_walk, monkeypatch, then):
+    """open says "a link" (ELOOP), then readlink finds none (replaced, or removed): the
+    entry changed, which is not a loop."""
+    real_readlink = os.readlink
+
+    def replaced(name, dir_fd=None):
+        if name == "w.bin":
+            raise OSError(then, os.strerror(then))
+        return real_readlink(name, dir_fd=dir_fd)
+
+    os.symlink("real.bin", folder / "w.bin")
+    monkeypatch.setattr(external_data.os, "readlink", replaced)
+    message = refused(folder, "w.bin", "changed while it was being opened")
+    assert "symbolic links" not in message
 
 
 # --- what the location reaches must be a regular file ------------------------------------------------

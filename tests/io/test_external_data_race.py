@@ -37,7 +37,7 @@ OUTSIDE = b"OUTSIDE!" * 6   # 48 bytes: a W read from outside would load without
 LOAD_TIMEOUT_SECONDS = 10
 LOCATION = "sub/weights.bin"
 # Message fragments to tally the typed errors by what the load met.
-CATEGORIES = ["outside", "climbs above", "FIFO", "device", "does not exist", "not a folder",
+CATEGORIES = ["climbs above", "outside", "FIFO", "device", "does not exist", "not a folder",
               "is a folder", "shrank", "changed", "bytes"]
 
 
@@ -124,7 +124,8 @@ def race(tmp_path: Path, seconds: float) -> dict:
     path.write_bytes(helper.make_model(graph).SerializeToString())
 
     tally = {"loads": 0, "true_weights": 0, "outside_bytes_loads": 0, "other_bytes_loads": 0,
-             "typed_errors": Counter(), "untyped_errors": [], "swaps": Counter()}
+             "typed_errors": Counter(), "other_messages": [], "untyped_errors": [],
+             "swaps": Counter()}
     stop = threading.Event()
     writer = threading.Thread(target=_writer, args=(folder, outside, stop, tally["swaps"]), daemon=True)
     previous = signal.signal(signal.SIGALRM, _on_alarm)
@@ -139,7 +140,10 @@ def race(tmp_path: Path, seconds: float) -> dict:
                 data = load_model(path).graph.initializer[0].raw_data
             except OnnxTrainError as error:
                 message = str(error)
-                tally["typed_errors"][next((c for c in CATEGORIES if c in message), "other")] += 1
+                category = next((c for c in CATEGORIES if c in message), "other")
+                tally["typed_errors"][category] += 1
+                if category == "other" and len(tally["other_messages"]) < 5:
+                    tally["other_messages"].append(message)
                 continue
             except Exception as error:  # noqa: BLE001 - exactly what the test counts
                 tally["untyped_errors"].append(f"{type(error).__name__}: {error}")
@@ -164,7 +168,8 @@ def check_race(tally: dict, record_property) -> None:
     print(f"race: {tally['loads']} loads, {tally['true_weights']} true weights, "
           f"{sum(tally['typed_errors'].values())} typed errors {dict(tally['typed_errors'])}, "
           f"{tally['outside_bytes_loads']} loads of outside bytes, {tally['other_bytes_loads']} of other bytes, "
-          f"{len(tally['untyped_errors'])} untyped errors, swaps {dict(tally['swaps'])}")
+          f"{len(tally['untyped_errors'])} untyped errors, swaps {dict(tally['swaps'])}, "
+          f"uncategorised messages {tally['other_messages']}")
     for key in ("loads", "true_weights", "outside_bytes_loads", "other_bytes_loads"):
         record_property(key, tally[key])
     record_property("typed_errors", dict(tally["typed_errors"]))
