@@ -194,7 +194,7 @@ def _open_problem(error: OSError) -> str:
 
 
 def _refused(where: str, location: str, at: str, what: str) -> ModelLoadError:
-    place = "" if at in ("", location) else f" (at {at!r})"
+    place = "" if at in ("", location) else f" (at {_shown(at)})"
     return ModelLoadError(f"{where}: external data file {_shown(location)}{place} {what}")
 
 
@@ -259,7 +259,7 @@ class _Walk:
                     return opened
                 self.folders.append(opened)
                 self.walked.append(name)
-                if len(self.folders) > MAX_FOLDER_DEPTH:
+                if len(self.walked) > MAX_FOLDER_DEPTH:
                     raise self.refuse(f"lies more than {MAX_FOLDER_DEPTH} folders deep")
         finally:
             self.close()

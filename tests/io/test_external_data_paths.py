@@ -337,6 +337,18 @@ def test_impossible_names_are_load_errors(folder, walk, location, pattern):
     assert len(message) < 1000, "an absurd location is shortened in the message"
 
 
+def test_folder_depth_is_bounded(folder, descriptor_walk):
+    """Every folder of the walk stays open (for `..`), so their number is bounded."""
+    deep = folder / Path(*["d"] * external_data.MAX_FOLDER_DEPTH)
+    deep.mkdir(parents=True)
+    (deep / "real.bin").write_bytes(WEIGHTS)
+    (deep / "d").mkdir()
+    (deep / "d" / "real.bin").write_bytes(WEIGHTS)
+    loads_weights(folder, "d/" * (external_data.MAX_FOLDER_DEPTH - 1) + "d/real.bin")
+    refused(folder, "d/" * (external_data.MAX_FOLDER_DEPTH + 1) + "real.bin",
+            f"more than {external_data.MAX_FOLDER_DEPTH} folders deep")
+
+
 @pytest.mark.parametrize("location", ["w\0.bin", "/etc/passwd", "C:\\w.bin", "..\\w.bin",
                                       "sub/../real.bin", "../model/real.bin"])
 def test_locations_refused_before_any_lookup(folder, walk, location):
