@@ -481,3 +481,9 @@ def test_corrupt_bytes_still_say_corrupt():
     with pytest.raises(ModelLoadError, match="truncated, corrupt, or not ONNX"):
         load_model(data[:-7])
 
+
+
+def test_a_side_file_shrinking_during_the_read_is_a_load_error(folder, monkeypatch):
+    """Reads are bounded by the length checked against fstat; a short read is not padded."""
+    monkeypatch.setattr(external_data.os, "pread", lambda descriptor, length, offset: b"")
+    refused(folder, "real.bin", "shrank while it was being read")
