@@ -14,6 +14,7 @@ import io
 import math
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,32 +37,80 @@ from onnxtrain.translate.tensors import (
 # Protobuf refuses to parse or serialize a message of 2 GiB or more.
 PROTOBUF_LIMIT = 2**31 - 1
 
+# upb's parse depth: every message level counts, and upb cannot be told to allow more.
+PROTOBUF_DEPTH_LIMIT = 100
+
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
 # Any object with SerializeToString (an onnx.ModelProto, say) is accepted too.
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO, ModelProto]
 
 
+def _not_a_model_file(path: Path, mode: int) -> ModelLoadError:
+    if stat.S_ISDIR(mode):
+        return ModelLoadError(f"{path} is a folder, not an ONNX model file")
+    kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device or socket"
+    return ModelLoadError(
+        f"{path} is {kind}, not a regular file; save the model to a file, or pass its "
+        f"bytes to load_model"
+    )
+
+
 def _read_path(path: Path) -> bytes:
+    """The bytes of the model file at `path`, which must be a regular file.
+
+    Opened without blocking, so a FIFO put in the model's place is refused
+    instead of waiting forever for a writer; the checks are made on the open
+    descriptor, so they concern the file actually read.
+    """
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            raise ModelLoadError(f"{path} is a folder, not an ONNX model file")
+        descriptor = os.open(path, os.O_RDONLY | _O_NONBLOCK | _O_CLOEXEC | _O_BINARY)
+    except IsADirectoryError:
+        raise ModelLoadError(f"{path} is a folder, not an ONNX model file") from None
+    except FileNotFoundError:
+        raise ModelLoadError(f"model file {path} does not exist") from None
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise ModelLoadError(f"cannot read model file {path}: {reason}") from None
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(descriptor)
+        raise _not_a_model_file(path, status.st_mode)
+    size = status.st_size
+    with os.fdopen(descriptor, "rb") as handle:
         if size > PROTOBUF_LIMIT:
             raise ModelLoadError(
                 f"{path} is {size} bytes, over protobuf's 2 GiB limit for one message; "
                 f"such models must keep their large tensors in external data files"
             )
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise ModelLoadError(f"model file {path} does not exist") from None
-    except OSError as error:
-        raise ModelLoadError(f"cannot read model file {path}: {error.strerror or error}") from None
+        try:
+            # Bounded by the size checked above, should the file grow meanwhile.
+            return handle.read(size)
+        except OSError as error:
+            raise ModelLoadError(
+                f"cannot read model file {path}: {error.strerror or error}"
+            ) from None
+
+
+def _folder_of(path: str | os.PathLike) -> Path:
+    """The folder of the file `path` really is (links resolved), where its side files sit.
+
+    os.path.realpath, unlike Path.resolve, ends a symbolic-link loop without
+    raising; a path that cannot be resolved at all is left as given.
+    """
+    try:
+        return Path(os.path.realpath(path)).parent
+    except (OSError, ValueError):
+        return Path(os.path.abspath(path)).parent
 
 
 def _source_bytes(source: ModelSource) -> tuple[bytes, str, Path | None]:
     """(serialized model, description for messages, folder holding its side files)."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        return _read_path(path), str(path), path.resolve().parent
+        return _read_path(path), str(path), _folder_of(path)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source), "in-memory model", None
     if hasattr(source, "read"):
@@ -72,7 +121,7 @@ def _source_bytes(source: ModelSource) -> tuple[bytes, str, Path | None]:
                 f"file object {name or source!r} is open in text mode; open ONNX models "
                 f"with open(path, 'rb')"
             )
-        folder = Path(name).resolve().parent if isinstance(name, (str, os.PathLike)) else None
+        folder = _folder_of(name) if isinstance(name, (str, os.PathLike)) else None
         return bytes(data), str(name or "file object"), folder
     if hasattr(source, "SerializeToString"):
         try:
@@ -87,11 +136,24 @@ def _source_bytes(source: ModelSource) -> tuple[bytes, str, Path | None]:
     )
 
 
+def _too_deep(error: DecodeError) -> bool:
+    """Whether protobuf refused the bytes for nesting, not for being malformed."""
+    text = str(error).lower()
+    return "maxdepth" in text or "too deep" in text or "recursion" in text or "nesting" in text
+
+
 def _parse(data: bytes, described: str) -> ModelProto:
     model = ModelProto()
     try:
         model.ParseFromString(data)
     except DecodeError as error:
+        if _too_deep(error):
+            raise ModelLoadError(
+                f"{described} nests subgraphs (or other messages) deeper than protobuf's "
+                f"parse limit of {PROTOBUF_DEPTH_LIMIT} levels (each If/Loop subgraph costs "
+                f"three), so it cannot be read; this limit cannot be raised, so flatten the "
+                f"nested control flow"
+            ) from None
         raise ModelLoadError(
             f"{described} is not a valid ONNX model: protobuf could not parse its "
             f"{len(data)} bytes ({error}). The file is truncated, corrupt, or not ONNX."
@@ -116,6 +178,12 @@ def load_model(
     model file's folder and must be given for bytes or in-memory messages
     whose tensors live in side files. With load_external_data=False those
     tensors keep their references (and their sizes are not checked).
+
+    Raises:
+        ModelLoadError: the file is missing or not a regular file, the bytes are
+            not an ONNX model (or nest deeper than protobuf can parse), or an
+            external-data location leaves the model's folder, does not lead to a
+            regular file, or disagrees with its tensor's size.
     """
     if isinstance(source, ModelProto):
         # Copied, not serialized: an in-memory model may be past protobuf's 2 GiB limit.
