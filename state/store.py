@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from onnxtrain.errors import InputError, ModelLoadError
@@ -50,6 +51,71 @@ def _unshared(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
     if len({id(value) for value in values.values()}) == len(values):
         return values
     return _distinct(values)
+
+
+def _kind(dtype: np.dtype) -> str | None:
+    """'b', 'i' or 'f' for boolean, integer (ml_dtypes' too) and floating dtypes; else None."""
+    if dtype == np.bool_:
+        return "b"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "i"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "f"
+    return None
+
+
+def _first(array: np.ndarray, where: np.ndarray) -> str:
+    """The first of `array`'s values where `where` holds, and its index, for a message."""
+    index = tuple(int(i) for i in np.argwhere(where)[0])
+    return f"{array[index].item()!r}" + (f" at index {list(index)}" if index else "")
+
+
+def _integer_range(dtype: np.dtype) -> tuple[int, int]:
+    if dtype == np.bool_:
+        return 0, 1
+    info = ml_dtypes.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _converted(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`array` cast to a state variable's dtype, refused where the cast would not keep its values.
+
+    Raises:
+        InputError: naming the variable, its dtype and the first offending value.
+    """
+    source, target = _kind(array.dtype), _kind(dtype)
+    if source is None or target is None:
+        raise InputError(f"state variable {name!r} is {dtype}; got a {array.dtype} value")
+    if source == "f":
+        broken = ~np.isfinite(array)
+        if broken.any():
+            raise InputError(f"state variable {name!r} is {dtype}; got {int(broken.sum())} NaN or Inf "
+                             f"value(s) of {array.size}, the first {_first(array, broken)}; state "
+                             "values must be finite")
+    if source != "f" and target != "f":
+        # Compared as Python ints: a cast and back cannot tell uint64's 2**64-1 from int64's -1.
+        low, high = _integer_range(dtype)
+        if array.size and (int(array.min()) < low or int(array.max()) > high):
+            outside = (array < low) | (array > high)
+            raise InputError(f"state variable {name!r} is {dtype}, which holds {low}..{high}; "
+                             f"{_first(array, outside)} does not fit it exactly")
+        return array.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = array.astype(dtype)
+        if target == "f":
+            overflowed = ~np.isfinite(converted)
+            if overflowed.any():
+                largest = float(ml_dtypes.finfo(dtype).max)
+                raise InputError(f"state variable {name!r} is {dtype}, whose largest finite value is "
+                                 f"{largest:.8g}; {int(overflowed.sum())} value(s) of {array.size} overflow "
+                                 f"it, the first {_first(array, overflowed)}")
+            return converted
+        # A finite float held by an integer dtype comes back from the cast unchanged; any other does not.
+        changed = converted.astype(array.dtype) != array
+    if changed.any():
+        raise InputError(f"state variable {name!r} is {dtype}; {_first(array, changed)} does not fit "
+                         "it exactly")
+    return converted
 
 
 class StateView(Mapping):
@@ -154,7 +220,15 @@ class StateStore:
         self._spares.update(discarded)
 
     def set(self, name: str, value: Any) -> None:
-        """Replace one variable by a value of the same shape that its dtype holds exactly."""
+        """Replace one variable by a value of the same shape that its dtype holds.
+
+        Floats are rounded to the variable's precision; anything else that would change the
+        value (NaN or Inf, a float past the dtype's range, an integer or boolean it does not
+        hold exactly) is refused and the variable keeps its value.
+
+        Raises:
+            InputError: `name` is not a variable, or the value's shape or values do not fit it.
+        """
         if name not in self._values:
             raise InputError(f"{name!r} is not a state variable; known: {sorted(self._values)}")
         current = self._values[name]
@@ -162,14 +236,7 @@ class StateStore:
         if array.shape != current.shape:
             raise InputError(f"state variable {name!r} has shape {list(current.shape)}; "
                              f"got {list(array.shape)}")
-        if array.dtype.kind not in "biuf":
-            raise InputError(f"state variable {name!r} is {current.dtype}; got a {array.dtype} value")
-        converted = array.astype(current.dtype)
-        # Rounding to a float variable's precision is expected; changing an integer's value is not.
-        if jnp.issubdtype(current.dtype, jnp.integer) or current.dtype == bool:
-            if not np.array_equal(converted.astype(array.dtype), array):
-                raise InputError(f"state variable {name!r} is {current.dtype}; {value!r} does not "
-                                 "fit it exactly")
+        converted = _converted(name, array, np.dtype(current.dtype))
         self._values = {**self._values, **self._place({name: device_copy(converted)})}
 
     def restore(self, values: Mapping[str, Any], key: jax.Array, source: str) -> None:

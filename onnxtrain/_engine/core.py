@@ -22,7 +22,7 @@ from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
-from onnxtrain.errors import InputError
+from onnxtrain.errors import InputError, ModelLoadError
 from onnxtrain.fitting import Batches, Callback, fit
 from onnxtrain.proto import ModelProto
 from onnxtrain.state import checkpoint
@@ -151,7 +151,24 @@ class Core:
         checkpoint.save_checkpoint(path, values, key, {"model": self._model.graph.name})
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore a checkpoint saved from the same model (by this kind of trainer)."""
-        values, key, _ = checkpoint.load_checkpoint(path)
+        """Restore a checkpoint saved from the same model (by this kind of trainer).
+
+        Raises:
+            ModelLoadError: the file is not a checkpoint of this model's state, or its PRNG key
+                is of another implementation than this trainer's (nothing is changed then).
+        """
+        with self._store.transaction():
+            # The shapes bound what reading may allocate: a file declaring others is refused unread.
+            expected = {name: jax.ShapeDtypeStruct(value.shape, value.dtype)
+                        for name, value in self._store.values.items()}
+            impl = jax.random.key_impl(self._store.key)
+        values, key, _ = checkpoint.load_checkpoint(path, expected)
+        saved = jax.random.key_impl(key)
+        if saved != impl:
+            # Continuing with either key would not resume the saved run's random stream.
+            raise ModelLoadError(
+                f"checkpoint {str(path)!r} holds a {saved} PRNG key, but this trainer draws from a "
+                f"{impl} key; to resume that run, create the trainer with seed= given after "
+                f"jax.config.update('jax_default_prng_impl', '{saved}')")
         with self._store.transaction():
             self._store.restore(values, key, f"checkpoint {str(path)!r}")

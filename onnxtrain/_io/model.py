@@ -4,8 +4,9 @@ load_model accepts a path, bytes, a binary file object or any message with
 SerializeToString (an `onnx.ModelProto`, say), resolves external data from the
 model's folder, and checks every tensor's size against its dims, so a model
 that loads is one whose bytes can be trusted. save_model writes atomically
-(a temporary file, then a rename) and moves large tensors to a side file when
-asked, or when the model would not fit in one protobuf message (2 GiB).
+(a temporary file, then a rename: onnxtrain.state.atomic) and moves large
+tensors to a side file when asked, or when the model would not fit in one
+protobuf message (2 GiB).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +26,7 @@ from onnxtrain.errors import ExportError, ModelLoadError
 from onnxtrain._io.external_data import load_external_tensors, mark_external, uses_external_data
 from onnxtrain.proto import ModelProto, TensorProto
 from onnxtrain.proto.walk import iter_tensors
+from onnxtrain.state import atomic
 from onnxtrain.translate.tensors import (
     ELEMENT_TYPES,
     array_bytes,
@@ -316,28 +317,6 @@ def _moved_to_side_file(
                 tensor.raw_data = _read_exactly(side.fileno(), length, offset)
 
 
-def _temporary_beside(path: Path) -> Path:
-    """A new empty file next to `path`, created with the usual (umask) permissions.
-
-    tempfile.mkstemp would make it owner-only, and the rename would carry that
-    over to the saved model.
-    """
-    while True:
-        candidate = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            open(candidate, "xb").close()
-            return candidate
-        except FileExistsError:
-            continue
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def _side_file_name(path: Path, external_data: bool | str) -> str:
     if external_data is True:
         return f"{path.name}.data"
@@ -381,14 +360,14 @@ def save_model(
         if side_file is None:
             serialized = _serialize(model)
         else:
-            temporaries.append(_temporary_beside(side_file))
+            temporaries.append(atomic.temporary_beside(side_file))
             with _moved_to_side_file(moving, temporaries[-1], location):
                 serialized = _serialize(model)
-        temporaries.append(_temporary_beside(path))
-        _write_file(temporaries[-1], serialized)
+        temporaries.append(atomic.temporary_beside(path))
+        atomic.write_synced(temporaries[-1], serialized)
         if side_file is not None:
-            os.replace(temporaries[0], side_file)
-        os.replace(temporaries[-1], path)
+            atomic.replace(temporaries[0], side_file)
+        atomic.replace(temporaries[-1], path)
         temporaries.clear()
     except OSError as error:
         raise ExportError(f"cannot write model to {path}: {error.strerror or error}") from None

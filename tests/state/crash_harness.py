@@ -6,9 +6,11 @@ Writers run in child processes forked from a server that has imported
 onnxtrain (each start is cheap) and rewrite one file in a loop, each version
 holding a tensor filled with its version number. The harness SIGKILLs each
 writer a random moment after it is ready, then reads the file back. It prints
-one JSON line: the kills, how many replaced the file, and every read that
-failed or mixed versions. It is a script, not test code, because
-multiprocessing children must not re-import a pytest process's main module.
+one JSON line: the kills, how many replaced the file, every read that failed
+or mixed versions, and the files besides the target left in the folder (each
+save clears the temporaries of writers killed before it). It is a script, not
+test code, because multiprocessing children must not re-import a pytest
+process's main module.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def main(kind: str, folder: str, kills: int) -> None:
             broken.append(f"kill {kill}: torn file mixes versions {sorted(values)}")
         replaced += previous is not None and values != previous
         previous = values
-    print(json.dumps({"kills": kills, "replaced": replaced, "broken": broken}))
+    leftovers = sorted(entry.name for entry in Path(folder).iterdir() if entry.name != "target")
+    print(json.dumps({"kills": kills, "replaced": replaced, "broken": broken, "leftovers": leftovers}))
 
 
 if __name__ == "__main__":

@@ -175,3 +175,102 @@ def test_set_rounds_floats_and_keeps_dtype():
     np.testing.assert_array_equal(store.values["W"], np.full((2, 3), np.float32(0.1)))
     store.set("T", 9)
     assert int(store.values["T"]) == 9 and store.values["T"].dtype == np.int64
+
+
+def _typed_store() -> StateStore:
+    values = {"f32": np.zeros((2, 3), np.float32), "f16": np.zeros(2, np.float16),
+              "bf16": np.zeros(2, ml_dtypes.bfloat16), "f8": np.zeros(2, ml_dtypes.float8_e4m3fn),
+              "i64": np.array(3, np.int64), "u8": np.zeros(2, np.uint8), "flag": np.array(False)}
+    return StateStore(values, jax.random.key(7))
+
+
+def _refused_set(store: StateStore, name: str, value, *parts: str) -> str:
+    """store.set(name, value) must raise an InputError naming the variable, its dtype and
+    `parts`, and leave every value as it was."""
+    before = {key: np.asarray(array).copy() for key, array in store.values.items()}
+    with pytest.raises(InputError) as caught:
+        store.set(name, value)
+    message = str(caught.value)
+    for part in (repr(name), str(np.dtype(store.values[name].dtype)), *parts):
+        assert part in message, f"{part!r} not in: {message}"
+    for key, array in store.values.items():
+        assert np.asarray(array).tobytes() == before[key].tobytes()
+    return message
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "f8", "i64", "u8", "flag"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_set_refuses_nan_and_inf_for_every_dtype(name, bad):
+    store = _typed_store()
+    shape = store.values[name].shape
+    value = np.full(shape, bad) if shape else bad
+    _refused_set(store, name, value, "NaN or Inf", repr(float(bad)))
+
+
+def test_set_counts_the_non_finite_values_and_names_the_first():
+    store = _typed_store()
+    value = np.array([[0.0, np.nan, 1.0], [np.inf, np.nan, 2.0]])
+    _refused_set(store, "f32", value, "3 NaN or Inf value(s) of 6", "nan at index [0, 1]")
+    _refused_set(store, "bf16", np.array([1.0, np.nan], ml_dtypes.bfloat16), "1 NaN or Inf", "index [1]")
+
+
+@pytest.mark.parametrize("name, value, largest", [
+    ("f32", np.full((2, 3), 1e40), "3.4028235e+38"),              # the issue's case
+    ("f32", np.array([[1.0, 2.0, 3.0], [4.0, -1e39, 6.0]]), "3.4028235e+38"),
+    ("f16", [65520.0, 0.0], "65504"),                               # first value that rounds to inf
+    ("f16", np.array([70000, 1], np.int64), "65504"),               # an integer array overflows too
+    ("f16", np.array([2**64 - 1, 0], np.uint64), "65504"),
+    ("bf16", [1e39, 0.0], "3.3895314e+38"),
+    ("f8", [1e4, 0.0], "448"),                                     # no inf: overflow gives NaN
+], ids=["1e40 into float32", "one of six", "float16 edge", "int64 into float16", "uint64 into float16",
+        "bfloat16", "float8_e4m3fn"])
+def test_set_refuses_values_that_overflow_the_dtype(name, value, largest):
+    message = _refused_set(_typed_store(), name, value, "overflow", largest)
+    assert "the first" in message
+
+
+def test_set_keeps_values_at_the_edge_of_the_range():
+    store = _typed_store()
+    store.set("f16", [65519.0, -65504.0])                     # rounds to float16's largest, not past it
+    np.testing.assert_array_equal(store.values["f16"], np.array([65504, -65504], np.float16))
+    store.set("f32", np.full((2, 3), 3.4028235e38))
+    assert np.isfinite(np.asarray(store.values["f32"])).all()
+    store.set("f8", [448.0, -448.0])
+    np.testing.assert_array_equal(np.asarray(store.values["f8"]).astype(np.float32), [448, -448])
+    store.set("bf16", np.array([1.5, -2.0], ml_dtypes.bfloat16))  # ml_dtypes values are floats too
+    np.testing.assert_array_equal(np.asarray(store.values["bf16"]).astype(np.float32), [1.5, -2.0])
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("i64", 2**63, "9223372036854775808"),                    # numpy makes it uint64
+    ("i64", np.uint64(2**64 - 1), "18446744073709551615"),    # a cast and back would call it -1
+    ("i64", 1e19, "1e+19"),
+    ("i64", 2.5, "2.5"),
+    ("u8", [256, 0], "256"),
+    ("u8", [0, -1], "-1 at index [1]"),
+    ("u8", [0.0, 255.5], "255.5"),
+    ("flag", 2, "2"),
+    ("flag", 0.5, "0.5"),
+    ("flag", -1, "-1"),
+], ids=["2**63 into int64", "uint64 max into int64", "1e19 into int64", "2.5 into int64", "256 into uint8",
+        "-1 into uint8", "255.5 into uint8", "2 into bool", "0.5 into bool", "-1 into bool"])
+def test_set_refuses_integers_and_booleans_their_dtype_does_not_hold(name, value, shown):
+    _refused_set(_typed_store(), name, value, "does not fit", shown)
+
+
+def test_set_takes_integers_and_booleans_that_fit():
+    store = _typed_store()
+    store.set("i64", np.uint64(2**63 - 1))
+    assert int(store.values["i64"]) == 2**63 - 1
+    store.set("u8", np.array([255.0, 0.0]))
+    np.testing.assert_array_equal(store.values["u8"], np.array([255, 0], np.uint8))
+    for value in (1, True, 1.0, np.int8(0)):
+        store.set("flag", value)
+        assert bool(store.values["flag"]) == bool(value) and store.values["flag"].dtype == np.bool_
+    store.set("f32", np.ones((2, 3), np.int64))
+    assert store.values["f32"].dtype == np.float32
+
+
+@pytest.mark.parametrize("value", [1 + 2j, "nan", None, 10**40], ids=["complex", "string", "None", "huge int"])
+def test_set_refuses_values_that_are_not_numbers(value):
+    _refused_set(_typed_store(), "i64", value, "got a")
