@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import OnnxTrainError
-from onnxtrain.translate.graph import draws_random, evaluate_plan, free_names
+from onnxtrain.translate.graph import MAX_GRAPH_DEPTH, draws_random, evaluate_plan, free_names, plan_depth
 from onnxtrain.translate.node import Evaluation, Node
 from onnxtrain.translate.ops.common import normalize_axis
 from onnxtrain.translate.registry import op
@@ -31,6 +31,12 @@ from onnxtrain.translate.values import NeedsHostValues, is_host
 # A traced loop whose body cannot run under lax.scan is unrolled into the
 # program up to this many iterations; longer ones run eagerly instead.
 MAX_UNROLLED_ITERATIONS = 512
+
+
+def _unroll_limit(body: _Body) -> int:
+    """Iterations a traced loop may unroll into one program: MAX_UNROLLED_ITERATIONS, fewer
+    when the body is deep, so the unrolled chain stays within MAX_GRAPH_DEPTH."""
+    return max(1, min(MAX_UNROLLED_ITERATIONS, MAX_GRAPH_DEPTH // max(plan_depth(body.plan), 1)))
 
 
 class _NotAScan(Exception):
@@ -249,7 +255,7 @@ def loop(node: Node, trip_count: Any = None, condition: Any = None, *initial: An
             pass
     if is_host(trip_count) and is_host(condition):
         return _unrolled_loop(node, body, trip_count, condition, initial, num_scan,
-                              limit=MAX_UNROLLED_ITERATIONS)
+                              limit=_unroll_limit(body))
     raise NeedsHostValues(
         node.label, "has a trip count or condition computed from graph inputs, so the length of "
         "its scan outputs (or the shapes of its loop-carried values) depends on the data")
@@ -406,7 +412,7 @@ def _run_scan(node: Node, body: _Body, states: Sequence[Any], sequences: Sequenc
         return _lax_scan(body, states, sequences, valid_length)
     except (_NotAScan, NeedsHostValues):
         return _unrolled_scan(node, body, states, sequences, length, valid_length,
-                              limit=MAX_UNROLLED_ITERATIONS)
+                              limit=_unroll_limit(body))
 
 
 def _lax_scan(body: _Body, states: Sequence[Any], sequences: Sequence[Any],
