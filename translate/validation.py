@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from onnxtrain.errors import ModelLoadError, OnnxTrainError
-from onnxtrain.proto import GraphProto, NodeProto
+from onnxtrain.proto import AttributeProto, GraphProto, NodeProto
 from onnxtrain.translate.node import node_label
 
 
@@ -116,7 +116,7 @@ class _Checker:
                             visible_outside=True)
 
 
-def _attribute_graphs(attribute) -> Iterable[tuple[str, GraphProto]]:
+def _attribute_graphs(attribute: AttributeProto) -> Iterable[tuple[str, GraphProto]]:
     """(index text, graph) for the graphs an attribute holds: '' for `g`, '[i]' for `graphs`."""
     if attribute.HasField("g"):
         yield "", attribute.g
