@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from onnxtrain.errors import ModelLoadError, UnsupportedOpError
-from onnxtrain.proto import FunctionProto, GraphProto, NodeProto
+from onnxtrain.proto import FunctionProto, GraphProto, NodeProto, ValueInfoProto
 from onnxtrain.translate.node import (
     Evaluation,
     Node,
@@ -31,8 +31,9 @@ from onnxtrain.translate.node import (
     node_label,
     sparse_to_dense,
 )
-from onnxtrain.translate.tensors import tensor_to_numpy
+from onnxtrain.translate.tensors import MAX_RANK, tensor_to_numpy
 from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.validation import check_graph, initializer_names
 from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
 
 
@@ -60,11 +61,8 @@ class GraphPlan:
     constants: dict[str, Any]
     # The node groups of traced walks by start index, worked out at the first walk.
     groups: dict[int, NodeGroup] | None = None
-
-
-def initializer_names(graph: GraphProto) -> list[str]:
-    """Names of a graph's dense and sparse initializers."""
-    return [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
+    # The plan's depth (see plan_depth), worked out once.
+    depth: int | None = None
 
 
 def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True,
@@ -149,7 +147,10 @@ class Translator:
                 f"ONNX functions cannot recurse, so break the cycle in the model's functions")
         values = {a.name: decode_attribute(a, label) for a in function.attribute_proto}
         values.update(attrs)
-        body = GraphProto(name=function.name, node=_bind_attributes(function.node, values, label))
+        body = GraphProto(name=function.name, node=_bind_attributes(function.node, values, label),
+                          input=[ValueInfoProto(name=name) for name in function.input],
+                          output=[ValueInfoProto(name=name) for name in function.output])
+        check_graph(body, f"function {function.domain}::{function.name} (called by {label})")
         opsets = dict(self.opsets)
         opsets.update({normalize_domain(o.domain): o.version for o in function.opset_import})
         self._calling.append(function)
@@ -238,9 +239,20 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
     _bind_outputs(spec, scope.maps[0], result)
 
 
+def _check_ranks(spec: NodeSpec, result: Any) -> None:
+    """No output of more dims than numpy and XLA hold: jax would accept one while tracing and
+    fail later, deep in compilation, without naming the node."""
+    for index, value in enumerate(result if isinstance(result, tuple) else (result,)):
+        if hasattr(value, "shape") and len(value.shape) > MAX_RANK:
+            raise ModelLoadError(
+                f"{spec.label}: output {index} has {len(value.shape)} dimensions; numpy and XLA hold "
+                f"at most {MAX_RANK}. Fix the shapes the node is given.")
+
+
 # What an op handler raises when a node's inputs or attributes do not fit its operator: too
-# many or too few inputs, a required input left empty, shapes that do not broadcast.
-_MISFIT_ERRORS = (TypeError, ValueError, IndexError, KeyError)
+# many or too few inputs, a required input left empty, shapes that do not broadcast; and what
+# numpy raises for sizes it cannot hold (a count beyond int64, an allocation that fails).
+_MISFIT_ERRORS = (TypeError, ValueError, IndexError, KeyError, OverflowError, MemoryError)
 
 
 def _described(value: Any) -> str:
@@ -253,7 +265,7 @@ def _described(value: Any) -> str:
 def _call(spec: NodeSpec, node: Node, inputs: list[Any]) -> Any:
     """The handler's result; a misfit error becomes a ModelLoadError naming the node and its inputs."""
     try:
-        return spec.call(node, *inputs)
+        result = spec.call(node, *inputs)
     except _MISFIT_ERRORS as error:
         described = ", ".join(f"{name or '(empty)'}: {_described(value)}"
                               for name, value in zip(spec.proto.input, inputs))
@@ -261,6 +273,8 @@ def _call(spec: NodeSpec, node: Node, inputs: list[Any]) -> Any:
             f"{spec.label}: cannot be computed from inputs [{described}] ({type(error).__name__}: "
             f"{error}). Fix the node's inputs or attributes in the model, or the shapes of the "
             f"feeds.") from None
+    _check_ranks(spec, result)
+    return result
 
 
 def _concrete_to_host(result: Any) -> Any:
@@ -292,6 +306,48 @@ def free_names(plan: GraphPlan) -> set[str]:
         free |= node_reads(spec) - defined
         defined |= set(spec.proto.output)
     return free | (set(plan.outputs) - defined)
+
+
+# The deepest plan onnxtrain compiles (see plan_depth). XLA's compiler recurses once per
+# link of a chain of dependent operations, on the C stack of the thread that compiles, and a
+# deeper program overflows that stack and kills the process; a training step, whose backward
+# pass continues the forward chain, is about twice as deep as the model.
+MAX_GRAPH_DEPTH = 5000
+
+
+def check_depth(plan: GraphPlan, what: str) -> None:
+    """Refuse a plan deeper than MAX_GRAPH_DEPTH before anything compiles it.
+
+    Raises:
+        UnsupportedOpError: naming the depth found and the limit.
+    """
+    depth = plan_depth(plan)
+    if depth > MAX_GRAPH_DEPTH:
+        raise UnsupportedOpError(
+            f"{what}: its longest chain of dependent nodes is {depth} nodes long, over the "
+            f"{MAX_GRAPH_DEPTH} onnxtrain compiles: XLA's compiler recurses along such chains and "
+            "would overflow its stack and crash the process. Shorten the chain (a Sum of many "
+            "inputs rather than a chain of Adds), or split the model into several.")
+
+
+def plan_depth(plan: GraphPlan) -> int:
+    """The longest chain of dependent nodes in the plan: what XLA's compiler recurses along.
+
+    A node counts 1 plus the depth of its deepest graph attribute (an If branch, a Loop
+    body, a function body); names from outside the plan start at depth 0. Host-constant
+    arithmetic that folds away while tracing is counted too, so this bounds the depth of
+    the compiled program from above (times the few XLA operations an ONNX node becomes).
+    """
+    if plan.depth is None:
+        depth_of: dict[str, int] = {}
+        deepest = 0
+        for spec in plan.nodes:
+            start = max((depth_of.get(name, 0) for name in node_reads(spec)), default=0)
+            depth = start + 1 + max((plan_depth(sub) for sub in spec.subgraphs.values()), default=0)
+            depth_of.update((name, depth) for name in spec.proto.output if name)
+            deepest = max(deepest, depth)
+        plan.depth = deepest
+    return plan.depth
 
 
 def any_node(plan: GraphPlan, test: Callable[[NodeSpec], bool]) -> bool:

@@ -26,12 +26,14 @@ from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op
 from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.graph import (
     Translator,
+    check_depth,
     evaluate_nodes,
     initializer_names,
     iter_initializers,
     plan_outputs,
 )
 from onnxtrain.translate.node import Evaluation
+from onnxtrain.translate.validation import check_graph
 from onnxtrain.translate.registry import normalize_domain, resolve
 from onnxtrain.translate.values import NeedsHostValues, is_traced, to_host
 
@@ -107,6 +109,8 @@ class TranslatedModel:
         rounded to its dtype: slower, but free of XLA's cross-op fusion (for debugging numerics)."""
         self.name = model.graph.name or "model"
         self.jit = jit
+        # Before anything runs: an invalid graph would run and answer wrongly.
+        check_graph(model.graph)
         opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
         translator = Translator(opsets, model.functions)
         names = initializer_names(model.graph)
@@ -124,6 +128,7 @@ class TranslatedModel:
         constants = {n: v for n, v in decoded.items() if n not in self.params}
         self.plan = translator.plan(model.graph, constants)
         translator.check_complete(f"model {self.name!r}")
+        check_depth(self.plan, f"model {self.name!r}")
         self.input_names = [name for name in self.plan.inputs if name not in names]
         self.output_names = list(self.plan.outputs)
         self._jitted = jit_with_options(self._traced)

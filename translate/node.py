@@ -8,6 +8,7 @@ per-call view of a NodeSpec.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 from onnxtrain.errors import ModelLoadError, UnsupportedOpError
 from onnxtrain.proto import AttributeProto, NodeProto, SparseTensorProto
-from onnxtrain.translate.tensors import tensor_to_numpy
+from onnxtrain.translate.tensors import host_size_problem, shape_problem, tensor_to_numpy
 
 _REQUIRED = object()
 
@@ -36,15 +37,41 @@ def _text(value: bytes) -> str | bytes:
 
 
 def sparse_to_dense(sparse: SparseTensorProto, where: str) -> np.ndarray:
-    """A SparseTensorProto as a dense numpy array (indices [NNZ] linear or [NNZ, rank])."""
-    values = tensor_to_numpy(sparse.values, where)
+    """A SparseTensorProto as a dense numpy array (indices [NNZ] linear or [NNZ, rank]).
+
+    Raises:
+        ModelLoadError: dims no array can have or too large to materialise, or indices that
+            do not fit the values or fall outside the dims.
+    """
+    values = tensor_to_numpy(sparse.values, where).reshape(-1)
     indices = tensor_to_numpy(sparse.indices, where).astype(np.int64)
-    dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+    dims = tuple(sparse.dims)
+    problem = shape_problem(dims, values.dtype.itemsize)
+    if problem is None:
+        problem = host_size_problem(dims, values.dtype.itemsize)
+    if problem is None:
+        problem = _index_problem(indices, dims, values.size)
+    if problem is not None:
+        raise ModelLoadError(f"{where}: {problem}. Fix the sparse tensor in the model.")
+    dense = np.zeros(dims, dtype=values.dtype)
     if indices.ndim == 1:
         dense.reshape(-1)[indices] = values
     else:
         dense[tuple(indices.T)] = values
     return dense
+
+
+def _index_problem(indices: np.ndarray, dims: tuple[int, ...], count: int) -> str | None:
+    """Why a sparse tensor's indices do not fit its values and dims, or None when they do."""
+    linear = indices.ndim == 1
+    if not linear and (indices.ndim != 2 or indices.shape[1] != len(dims)):
+        return f"indices of shape {list(indices.shape)} are neither [NNZ] nor [NNZ, {len(dims)}]"
+    if indices.shape[0] != count:
+        return f"has {indices.shape[0]} indices for {count} values"
+    bounds = np.array([math.prod(dims)] if linear else dims, dtype=np.int64)
+    if count and ((indices < 0).any() or (indices >= bounds).any()):
+        return f"indices fall outside the dims {list(dims)}"
+    return None
 
 
 def decode_attribute(attribute: AttributeProto, where: str) -> Any:

@@ -12,6 +12,8 @@ ml_dtypes, which JAX uses too.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -102,10 +104,67 @@ def data_type_of(dtype: np.dtype | type) -> int:
         raise TypeError(f"numpy dtype {dtype} has no ONNX element type") from None
 
 
+# numpy and XLA hold at most this many dimensions.
+MAX_RANK = 64
+# The largest byte size an array can have: numpy and XLA count bytes in int64.
+MAX_ARRAY_BYTES = 2**63 - 1
+
+
+def shape_problem(dims: Sequence[int], itemsize: int) -> str | None:
+    """Why no array of shape `dims` with `itemsize`-byte elements can exist, or None if one can.
+
+    numpy's rule: at most MAX_RANK dims, none negative, and the product of the non-zero dims
+    times the item size fits in int64 (so [0, 2**62] floats is refused like [1, 2**62]).
+    """
+    if len(dims) > MAX_RANK:
+        return f"has {len(dims)} dimensions; numpy and XLA hold at most {MAX_RANK}"
+    if any(d < 0 for d in dims):
+        return f"dims {_shown(dims)} contain a negative size"
+    size = max(itemsize, 1) * math.prod(d for d in dims if d)
+    if size > MAX_ARRAY_BYTES:
+        return (f"dims {_shown(dims)} would take {size} bytes (zero dims aside), more than any "
+                f"array can hold ({MAX_ARRAY_BYTES})")
+    return None
+
+
+def _half_the_memory() -> int:
+    """Half the machine's physical memory in bytes (16 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, ValueError, OSError):
+        return 2**34
+
+
+# Arrays built on the host from a shape alone (not from data a file holds: a sparse tensor's
+# zeros, a ConstantOfShape folded while tracing) are refused beyond this many bytes, before
+# any memory is taken: a small model must not make the process allocate (or be killed for
+# allocating) more than the machine has.
+MAX_HOST_BYTES = max(2**32, _half_the_memory())
+
+
+def host_size_problem(dims: Sequence[int], itemsize: int) -> str | None:
+    """Why an array of `dims` is too large to build on the host from its shape, or None."""
+    size = max(itemsize, 1) * math.prod(dims)
+    if size > MAX_HOST_BYTES:
+        return (f"would make a {size}-byte array of shape {_shown(dims)}, over the "
+                f"{MAX_HOST_BYTES} bytes onnxtrain builds on the host from a shape alone")
+    return None
+
+
+def _shown(dims: Sequence[int]) -> str:
+    """dims for a message, cut short when there are many."""
+    dims = list(dims)
+    return str(dims) if len(dims) <= 16 else f"[{', '.join(map(str, dims[:8]))}, ... ({len(dims)} dims)]"
+
+
 def element_count(tensor: TensorProto, where: str = "tensor") -> int:
-    """Number of elements the tensor's dims declare (1 for a scalar)."""
-    if any(d < 0 for d in tensor.dims):
-        raise ModelLoadError(f"{where}: dims {list(tensor.dims)} contain a negative size")
+    """Number of elements the tensor's dims declare (1 for a scalar); ModelLoadError for dims
+    no array can have (see shape_problem)."""
+    element = ELEMENT_TYPES.get(tensor.data_type)
+    problem = shape_problem(tensor.dims, element.dtype.itemsize if element else 1)
+    if problem:
+        raise ModelLoadError(f"{where}: {problem}. The model file is corrupt or was written by a "
+                             "faulty exporter; fix the tensor's dims.")
     return math.prod(tensor.dims)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from onnxtrain.errors import BindingError
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto, TensorProto, TrainingInfoProto
 from onnxtrain.translate.graph import initializer_names, iter_initializers
+from onnxtrain.translate.validation import check_graphs
 
 
 _GRAPH_FIELDS = ("input", "initializer", "output", "node", "value_info", "sparse_initializer")
@@ -129,60 +130,14 @@ def _check_values(info: TrainingInfoProto, index: int, main: GraphProto) -> None
                 "add it to the algorithm graph's outputs")
 
 
-def _free_names(graph: GraphProto) -> set[str]:
-    """Names a (sub)graph reads from enclosing scopes."""
-    defined = {v.name for v in graph.input} | set(initializer_names(graph))
-    free: set[str] = set()
-    for node in graph.node:
-        free |= {name for name in node.input if name and name not in defined}
-        for attribute in node.attribute:
-            for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                free |= _free_names(subgraph) - defined
-        defined |= set(node.output)
-    return free
-
-
-def _node_text(node) -> str:
-    return f"node {node.name!r} ({node.op_type})" if node.name else f"an unnamed {node.op_type} node"
-
-
 def check_ssa_and_order(model: ModelProto, index: int) -> None:
-    """The combined graph defines each name once and reads names only after they are defined."""
+    """The combined graph defines each name once and reads names only after they are defined
+    (translate.validation's rules, the ones inference applies to a single graph)."""
     main, algorithm = model.graph, model.training_info[index].algorithm
-    where = f"training_info[{index}]: the combined graph (main graph followed by the algorithm)"
-    origin: dict[str, str] = {}
-
-    def define(name: str, what: str) -> None:
-        if name in origin:
-            raise BindingError(f"{where} defines {name!r} twice: as {origin[name]} and as {what}. "
-                               "Every name must be defined once (SSA); rename one of them.")
-        origin[name] = what
-
-    for graph, part in ((main, "main graph"), (algorithm, "algorithm")):
-        for name in initializer_names(graph):
-            define(name, f"an initializer of the {part}")
-    for graph, part in ((main, "main graph"), (algorithm, "algorithm")):
-        for value in graph.input:
-            if value.name not in origin or not origin[value.name].startswith("an initializer"):
-                define(value.name, f"an input of the {part}")
-    for graph, part in ((main, "main graph"), (algorithm, "algorithm")):
-        for node in graph.node:
-            reads = {name for name in node.input if name}
-            for attribute in node.attribute:
-                for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                    reads |= _free_names(subgraph)
-            for name in sorted(reads - set(origin)):
-                raise BindingError(
-                    f"{where}: {_node_text(node)} in the {part} reads {name!r}, which is not defined "
-                    "before it (an input, an initializer or an earlier node's output). Nodes must be "
-                    "in topological order, and main-graph nodes cannot read algorithm names.")
-            for name in node.output:
-                if name:
-                    define(name, f"an output of {_node_text(node)} in the {part}")
-    for graph, part in ((main, "main graph"), (algorithm, "algorithm")):
-        for value in graph.output:
-            if value.name not in origin:
-                raise BindingError(f"{where}: output {value.name!r} of the {part} is never computed")
+    check_graphs([(main, "the main graph"), (algorithm, "the algorithm")],
+                 prefix=f"training_info[{index}], the combined graph (main graph followed by the "
+                        "algorithm): ",
+                 error=BindingError)
 
 
 def validate(model: ModelProto) -> StateLayout:

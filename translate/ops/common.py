@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain.translate.tensors import ELEMENT_TYPES
+from onnxtrain.translate.tensors import ELEMENT_TYPES, MAX_RANK, host_size_problem, shape_problem
 
 
 def numpy_dtype(onnx_type: int) -> np.dtype:
@@ -36,6 +36,41 @@ def host_ints(node: Any, value: Any, what: str) -> list[int]:
         raise node.error(f"{what} must be known before running (a constant or computed from "
                          f"shapes), but it is computed from graph inputs")
     return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def shape_input(node: Any, value: Any, what: str) -> list[int]:
+    """A host-constant shape (see host_ints) that a tensor can have: at most MAX_RANK entries
+    and a size that fits int64 (its -1 and 0 entries, which Reshape resolves, aside).
+
+    Raises:
+        ModelLoadError (node.error): a shape no tensor can have.
+    """
+    dims = host_ints(node, value, what)
+    problem = (f"has {len(dims)} entries; numpy and XLA hold at most {MAX_RANK} dimensions"
+               if len(dims) > MAX_RANK else shape_problem([d for d in dims if d != -1], 1))
+    if problem:
+        raise node.error(f"{what} {problem}")
+    return dims
+
+
+def output_shape(node: Any, dims: Sequence[int], dtype: Any, on_host: bool) -> tuple[int, ...]:
+    """`dims`, checked before the node builds a tensor of that shape and `dtype` from a shape
+    alone: one that can exist, and when built `on_host` (folded while tracing, or eager), no
+    larger than MAX_HOST_BYTES, so the check comes before any memory is taken.
+
+    Raises:
+        ModelLoadError (node.error): a shape no tensor can have.
+        UnsupportedOpError (node.unsupported): a tensor too large to build on the host.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    problem = shape_problem(dims, itemsize)
+    if problem:
+        raise node.error(f"its output {problem}")
+    problem = host_size_problem(dims, itemsize) if on_host else None
+    if problem:
+        raise node.unsupported(f"its output {problem}; it is computed while translating, from "
+                               "constants. Make the shape smaller or compute it from graph inputs")
+    return tuple(dims)
 
 
 def optional_input(inputs: Sequence[Any], index: int) -> Any:

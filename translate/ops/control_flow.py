@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.errors import OnnxTrainError
-from onnxtrain.translate.graph import draws_random, evaluate_plan, free_names
+from onnxtrain.translate.graph import MAX_GRAPH_DEPTH, draws_random, evaluate_plan, free_names, plan_depth
 from onnxtrain.translate.node import Evaluation, Node
 from onnxtrain.translate.ops.common import normalize_axis
 from onnxtrain.translate.registry import op
@@ -31,6 +31,12 @@ from onnxtrain.translate.values import NeedsHostValues, is_host
 # A traced loop whose body cannot run under lax.scan is unrolled into the
 # program up to this many iterations; longer ones run eagerly instead.
 MAX_UNROLLED_ITERATIONS = 512
+
+
+def _unroll_limit(body: _Body) -> int:
+    """Iterations a traced loop may unroll into one program: MAX_UNROLLED_ITERATIONS, fewer
+    when the body is deep, so the unrolled chain stays within MAX_GRAPH_DEPTH."""
+    return max(1, min(MAX_UNROLLED_ITERATIONS, MAX_GRAPH_DEPTH // max(plan_depth(body.plan), 1)))
 
 
 class _NotAScan(Exception):
@@ -157,8 +163,14 @@ def _stack_iterations(node: Node, per_iteration: list[list[Any]], num_outputs: i
 # If
 
 
+def _jax_typed(outputs: Any) -> bool:
+    """True when every leaf of a branch's outputs is a value jax.lax.cond can return."""
+    return all(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and np.dtype(leaf.dtype).kind not in "OUS"
+               for leaf in jax.tree.leaves(outputs))
+
+
 def _same_structure(left: Any, right: Any) -> bool:
-    """True when two eval_shape results have the same pytree structure, shapes and dtypes."""
+    """True when two branches' outputs have the same pytree structure, shapes and dtypes."""
     if jax.tree.structure(left) != jax.tree.structure(right):
         return False
     return all(a.shape == b.shape and a.dtype == b.dtype
@@ -175,20 +187,39 @@ def if_(node: Node, condition: Any) -> tuple:
     if is_host(condition):
         branch = "then_branch" if _host_bool(node, condition, "cond") else "else_branch"
         return tuple(node.run_subgraph(branch, ()))
+    predicate = _traced_scalar(node, condition, jnp.bool_, "cond")
     then_body, else_body = _Body(node, "then_branch"), _Body(node, "else_branch")
+    # jax.lax.cond traces each branch once, and a branch holding an If traces that one
+    # inside, so nested Ifs cost time linear in their depth. Checking the branches' shapes
+    # first (jax.eval_shape) would trace them again and double the cost at every level.
+    traced: dict[str, Any] = {}
 
     def run_then() -> list[Any]:
-        return then_body(0, ())
+        traced["then"] = then_body(0, ())
+        return traced["then"]
 
     def run_else() -> list[Any]:
-        return else_body(0, ())
+        traced["else"] = else_body(0, ())
+        return traced["else"]
 
-    if not _same_structure(jax.eval_shape(run_then), jax.eval_shape(run_else)):
-        raise NeedsHostValues(
-            node.label, "has branches whose outputs differ in shape, type or structure, "
-            "so its condition must be known before running, but it is computed from graph inputs")
-    predicate = _traced_scalar(node, condition, jnp.bool_, "cond")
-    return tuple(jax.lax.cond(predicate, run_then, run_else))
+    try:
+        return tuple(jax.lax.cond(predicate, run_then, run_else))
+    except TypeError:
+        # lax.cond refuses branches whose outputs differ (or hold strings); any other
+        # TypeError is not ours to reinterpret.
+        if not _branches_differ(traced):
+            raise
+    raise NeedsHostValues(
+        node.label, "has branches whose outputs differ in shape, type or structure (or are not "
+        "tensors), so its condition must be known before running, but it is computed from graph "
+        "inputs")
+
+
+def _branches_differ(traced: dict[str, Any]) -> bool:
+    """True when the branches traced so far return what jax.lax.cond cannot join."""
+    if not all(_jax_typed(outputs) for outputs in traced.values()):
+        return True
+    return len(traced) == 2 and not _same_structure(traced["then"], traced["else"])
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +255,7 @@ def loop(node: Node, trip_count: Any = None, condition: Any = None, *initial: An
             pass
     if is_host(trip_count) and is_host(condition):
         return _unrolled_loop(node, body, trip_count, condition, initial, num_scan,
-                              limit=MAX_UNROLLED_ITERATIONS)
+                              limit=_unroll_limit(body))
     raise NeedsHostValues(
         node.label, "has a trip count or condition computed from graph inputs, so the length of "
         "its scan outputs (or the shapes of its loop-carried values) depends on the data")
@@ -381,7 +412,7 @@ def _run_scan(node: Node, body: _Body, states: Sequence[Any], sequences: Sequenc
         return _lax_scan(body, states, sequences, valid_length)
     except (_NotAScan, NeedsHostValues):
         return _unrolled_scan(node, body, states, sequences, length, valid_length,
-                              limit=MAX_UNROLLED_ITERATIONS)
+                              limit=_unroll_limit(body))
 
 
 def _lax_scan(body: _Body, states: Sequence[Any], sequences: Sequence[Any],

@@ -9,8 +9,8 @@ binary op with the legacy `broadcast`/`axis` attributes.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -269,32 +269,42 @@ def _require_inputs(node: Node, values: tuple) -> None:
         raise node.error("needs at least one input")
 
 
+def balanced(combine: Callable[[Any, Any], Any], values: Sequence[Any]) -> Any:
+    """`combine` over all values as a balanced tree of pairs: depth log2(n) where a fold would
+    chain n operations, and XLA's compiler recurses once per link of a chain."""
+    values = list(values)
+    while len(values) > 1:
+        pairs = [combine(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
+        values = pairs + values[len(pairs) * 2:]
+    return values[0]
+
+
 @op("Max", since=1)
 def maximum(node: Node, *values: ArrayLike) -> ArrayLike:
     """Element-wise maximum of all inputs, broadcast together; NaN wins."""
     _require_inputs(node, values)
-    return functools.reduce(jnp.maximum, values)
+    return balanced(jnp.maximum, values)
 
 
 @op("Min", since=1)
 def minimum(node: Node, *values: ArrayLike) -> ArrayLike:
     """Element-wise minimum of all inputs, broadcast together; NaN wins."""
     _require_inputs(node, values)
-    return functools.reduce(jnp.minimum, values)
+    return balanced(jnp.minimum, values)
 
 
 @op("Sum", since=1)
 def total(node: Node, *values: ArrayLike) -> ArrayLike:
     """Element-wise sum of all inputs, broadcast together."""
     _require_inputs(node, values)
-    return functools.reduce(jnp.add, values)
+    return balanced(jnp.add, values)
 
 
 @op("Mean", since=1)
 def mean(node: Node, *values: ArrayLike) -> ArrayLike:
     """Element-wise mean of all inputs, broadcast together."""
     _require_inputs(node, values)
-    summed = jnp.asarray(functools.reduce(jnp.add, values))
+    summed = jnp.asarray(balanced(jnp.add, values))
     return (summed / len(values)).astype(summed.dtype)
 
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from onnxtrain.translate.ops.common import host_ints, normalize_axes, normalize_axis, numpy_dtype
+from onnxtrain.translate.ops.common import (host_ints, normalize_axes, normalize_axis, numpy_dtype, output_shape,
+                                            shape_input)
 from onnxtrain.translate.registry import op
 
 
@@ -90,14 +91,15 @@ def _reshape_target(node: Any, dims: Sequence[int], target: Sequence[int], allow
 @op("Reshape", since=1)
 def reshape_v1(node: Any, data: Any) -> Any:
     """Reshape to the `shape` attribute (0 copies a dim, -1 infers one)."""
-    target = _reshape_target(node, np.shape(data), node.attr("shape"), allowzero=False)
+    target = _reshape_target(node, np.shape(data), shape_input(node, np.asarray(node.attr("shape"), np.int64),
+                                                                "attribute shape"), allowzero=False)
     return array_module(data).reshape(data, target)
 
 
 @op("Reshape", since=5, static_inputs=(1,))
 def reshape(node: Any, data: Any, shape: Any) -> Any:
     """Reshape to the `shape` input; 0 copies the input dim unless allowzero=1 (opset 14)."""
-    target = _reshape_target(node, np.shape(data), host_ints(node, shape, "shape"),
+    target = _reshape_target(node, np.shape(data), shape_input(node, shape, "shape"),
                              allowzero=bool(node.attr("allowzero", 0)))
     return array_module(data).reshape(data, target)
 
@@ -263,11 +265,13 @@ def slice_(node: Any, data: Any, starts: Any, ends: Any, axes: Any = None, steps
 @op("Expand", since=8, static_inputs=(1,))
 def expand(node: Any, x: Any, shape: Any) -> Any:
     """Broadcast the input against `shape` (numpy rules; a 1 in `shape` keeps the input dim)."""
-    target = host_ints(node, shape, "shape")
+    target = shape_input(node, shape, "shape")
     try:
         out_shape = np.broadcast_shapes(np.shape(x), tuple(target))
     except ValueError:
         raise node.error(f"cannot broadcast shape {np.shape(x)} to {target}") from None
+    # numpy broadcasts as a view; jax (also when folding on the host) fills the whole output.
+    output_shape(node, out_shape, x.dtype, node.host and array_module(x) is jnp)
     return array_module(x).broadcast_to(x, out_shape)
 
 
@@ -275,6 +279,7 @@ def _tile(node: Any, x: Any, repeats: Sequence[int]) -> Any:
     if len(repeats) != np.ndim(x) or any(r < 0 for r in repeats):
         raise node.error(f"repeats {list(repeats)} must hold one non-negative count per "
                          f"dimension of the rank-{np.ndim(x)} input")
+    output_shape(node, [d * r for d, r in zip(np.shape(x), repeats)], x.dtype, node.host)
     return array_module(x).tile(x, repeats)
 
 
@@ -367,11 +372,11 @@ def center_crop_pad(node: Any, x: Any, shape: Any) -> Any:
 @op("ConstantOfShape", since=9, static_inputs=(0,), differentiable=False)
 def constant_of_shape(node: Any, shape: Any) -> np.ndarray:
     """A tensor of the given shape filled with the one-element `value` (default float 0)."""
-    dims = host_ints(node, shape, "shape")
+    dims = shape_input(node, shape, "shape")
     value = node.attr("value", np.zeros(1, np.float32))
     if np.size(value) != 1:
         raise node.error(f"value must hold one element, not {np.size(value)}")
-    return np.full(dims, value.reshape(()), dtype=value.dtype)
+    return np.full(output_shape(node, dims, value.dtype, on_host=True), value.reshape(()), dtype=value.dtype)
 
 
 @op("EyeLike", since=9, differentiable=False)
@@ -399,6 +404,7 @@ def range_(node: Any, start: Any, limit: Any, delta: Any) -> np.ndarray:
         count = -(-(int(stop) - int(first)) // int(step))
     else:
         count = math.ceil((float(stop) - float(first)) / float(step))
+    output_shape(node, [max(count, 0)], compute, on_host=True)
     return (first + np.arange(max(count, 0), dtype=compute) * step).astype(dtype)
 
 
