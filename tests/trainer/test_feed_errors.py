@@ -195,3 +195,18 @@ def test_fit_copies_tensors_a_loader_refills(steps_per_call):
     trainer = onnxtrain.Trainer(linreg_model())
     trainer.fit(refilled, progress=False, steps_per_call=steps_per_call)
     assert_state_equal(trainer, snapshot(reference))
+
+
+def test_real_torch_tensors_train_exactly_as_numpy_arrays_do():
+    """The issue's case with torch itself, where installed: tensors passed the check on the
+    first call and crashed the second."""
+    torch = pytest.importorskip("torch")
+    reference, trainer = onnxtrain.Trainer(linreg_model()), onnxtrain.Trainer(linreg_model())
+    x = torch.tensor(X.T.copy(), requires_grad=True).T          # requires grad, not contiguous
+    for _ in range(3):
+        expected = reference.step(LINREG_FEEDS)["loss"]
+        got = trainer.step({"X": x, "Y": torch.from_numpy(Y)})["loss"]
+        assert np.array_equal(np.asarray(got), np.asarray(expected))
+    assert_state_equal(trainer, snapshot(reference))
+    with pytest.raises(onnxtrain.InputError, match=r"input 'X' must be float32"):
+        trainer.step({"X": x.double(), "Y": torch.from_numpy(Y)})
