@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from onnxtrain._engine.compilation_cache import enable_compilation_cache
+from onnxtrain._engine.compiled import DEFAULT_MAX_PROGRAMS, ProgramLimit
 from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
 from onnxtrain._engine.optax_step import LossFunction, OptaxStep
@@ -49,9 +50,11 @@ class FineTuner(Core):
     def __init__(self, model: ModelSource, loss: str | GraphProto | LossFunction,
                  optimizer: optax.GradientTransformation, output: str | None = None, trainable: Trainable = None,
                  label: str = "labels", seed: int = 0, mesh: Mesh | None = None, nan_policy: str = "raise",
-                 train_mode: bool = True, freeze_batchnorm: bool = False):
+                 train_mode: bool = True, freeze_batchnorm: bool = False,
+                 max_programs: int = DEFAULT_MAX_PROGRAMS):
         """See finetune()."""
         check_policy(nan_policy)
+        limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         model = load_model(model)
         names = trainable_names(model, trainable)
@@ -73,13 +76,14 @@ class FineTuner(Core):
         place = placement(mesh, model, {name: value.shape for name, value in store.values.items()})
         step = OptaxStep(model, part, names, optimizer, slot_names, slot_tree, label,
                          loss if callable(loss) else None, place)
-        inference = InferenceProgram(model, list(home), place)
-        super().__init__(model, store, place, [step], nan_policy, inference, home, names)
+        inference = InferenceProgram(model, list(home), place, limit)
+        super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit)
 
     def fit(self, batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
-            eval_data: Batches | None = None, steps_per_call: int = 1) -> dict[str, list[float]]:
+            eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False
+            ) -> dict[str, list[float]]:
         """Train over `batches` (see Trainer.fit)."""
-        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call)
+        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:
@@ -98,7 +102,8 @@ class FineTuner(Core):
 def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_entropy",
              optimizer: optax.GradientTransformation | None = None, *, output: str | None = None,
              trainable: Trainable = None, label: str = "labels", seed: int = 0, mesh: Mesh | None = None,
-             nan_policy: str = "raise", train_mode: bool = True, freeze_batchnorm: bool = False) -> FineTuner:
+             nan_policy: str = "raise", train_mode: bool = True, freeze_batchnorm: bool = False,
+             max_programs: int = DEFAULT_MAX_PROGRAMS) -> FineTuner:
     """A FineTuner that trains `model`'s weights with an optax optimizer.
 
     Args:
@@ -116,12 +121,15 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
         train_mode: run Dropout and BatchNormalization as in training, as make_training_model
             does; False trains the model in inference mode.
         freeze_batchnorm: keep BatchNormalization on its running statistics.
+        max_programs: compiled programs kept per step, evaluation and inference program, as
+            for Trainer.
 
     Returns:
         A FineTuner: step(), fit(), evaluate(), infer(), export(), checkpoints.
 
     Raises:
         BindingError: an unknown loss, output or trainable name, or a label that is taken.
+        InputError: a bad nan_policy, mesh or max_programs.
         ModelLoadError, UnsupportedOpError: the model cannot be read or translated.
 
     Example:
@@ -133,4 +141,4 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
 
         optimizer = optax.adam(1e-3)
     return FineTuner(model, loss, optimizer, output, trainable, label, seed, mesh, nan_policy, train_mode,
-                     freeze_batchnorm)
+                     freeze_batchnorm, max_programs)

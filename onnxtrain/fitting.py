@@ -8,7 +8,7 @@ comes from tqdm.auto, so it renders in Jupyter as well as in terminals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from onnxtrain._engine.batches import StackBuilder
 from onnxtrain._engine.faults import Stacked, Unsettled
-from onnxtrain.errors import InputError
 from onnxtrain._engine.feeds import owned
+from onnxtrain.errors import InputError
 
 Feeds = Mapping[str, Any]
 Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
@@ -46,6 +46,30 @@ def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float
 
 def _epoch_batches(batches: Batches) -> Iterable[Feeds]:
     return batches() if callable(batches) else batches
+
+
+def _rows(feeds: Feeds) -> list[tuple[int, ...]]:
+    """Each feed's batch size (its axis 0; none for a scalar)."""
+    return [np.shape(value)[:1] for value in feeds.values()] if isinstance(feeds, Mapping) else []
+
+
+def _held(feeds: Feeds) -> Feeds:
+    return owned(feeds) if isinstance(feeds, Mapping) else feeds
+
+
+def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
+    """`batches` without the last one if its batch size differs from the first's (drop_last).
+    Each batch is copied while the next is read: a loader may refill one buffer for all."""
+    iterator = iter(batches)
+    try:
+        first = previous = _held(next(iterator))
+    except StopIteration:
+        return
+    for feeds in iterator:
+        yield previous
+        previous = _held(feeds)
+    if previous is first or _rows(previous) == _rows(first):
+        yield previous
 
 
 def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
@@ -78,13 +102,16 @@ def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches)
 def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
         evaluate: Callable[[Feeds], Mapping[str, Any]] | None = None,
-        eval_data: Batches | None = None, steps_per_call: int = 1) -> dict[str, list[float]]:
+        eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False,
+        prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds) -> dict[str, list[float]]:
     """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
     (see per_step_scalars). Values come back to the host one chunk late, and so do the NaN/Inf
     checks of Unsettled parts (their `settle`), so the host prepares the next chunk while the
-    device computes this one, never waiting for a progress-bar update.
+    device computes this one, never waiting for a progress-bar update. drop_last skips an
+    epoch's last batch when its batch size differs from the first's. prepare(feeds) checks and
+    converts each batch as it arrives, before a chunk holds it.
     """
     from tqdm.auto import tqdm
 
@@ -117,7 +144,9 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
                                 refresh=False)
 
         pending = None
-        for chunk in _chunks(epoch_batches, steps_per_call):
+        # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
+        steps = map(prepare, epoch_batches)
+        for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
             outputs = run_steps(chunk)
             if pending is not None:
                 record(pending)

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 
 from onnxtrain._engine.compilation_cache import enable_compilation_cache
+from onnxtrain._engine.feeds import FeedChecker
+from onnxtrain.errors import InputError
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain.translate.model import TranslatedModel
 
@@ -27,9 +29,22 @@ def translate_model(model: ModelSource, params: Iterable[str] | None = None) -> 
 def run(model: ModelSource, inputs: Mapping[str, Any], key: jax.Array | None = None) -> dict[str, Any]:
     """One-shot inference: translate, compile for these inputs, run.
 
-    Random ops draw from `key`, or from a fresh random key when none is given.
+    Inputs are checked and converted as a Trainer's feeds are (onnxtrain._engine.feeds): an
+    input may also replace an initializer the graph lists among its inputs. Random ops draw
+    from `key`, or from a fresh random key when none is given.
+
+    Raises:
+        InputError: an input is missing, unknown, or of the wrong type or shape.
     """
-    translated, params = translate_model(model)
+    enable_compilation_cache()
+    proto = load_model(model)
+    translated = TranslatedModel(proto)
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"model {translated.name!r} takes a mapping of input name -> array, got "
+                         f"{type(inputs).__name__}")
+    required = set(translated.input_names)
+    declared = [info for info in proto.graph.input if info.name in required or info.name in inputs]
+    checked = FeedChecker(declared, f"model {translated.name!r}")(inputs)
     if key is None:
         key = jax.random.key(secrets.randbits(63))
-    return translated(params, inputs, key)
+    return translated(dict(translated.params), checked, key)

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from onnxtrain._engine.compilation_cache import enable_compilation_cache
+from onnxtrain._engine.compiled import DEFAULT_MAX_PROGRAMS, ProgramLimit
 from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
 from onnxtrain._engine.graph_step import GraphStep
@@ -65,7 +66,7 @@ class Trainer(Core):
     """
 
     def __init__(self, model: ModelSource, seed: int | None = None, nan_policy: str = "raise",
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, max_programs: int = DEFAULT_MAX_PROGRAMS):
         """Load `model` (a path, bytes, file object or ModelProto that has training_info).
 
         Args:
@@ -76,13 +77,17 @@ class Trainer(Core):
             mesh: train data-parallel on every device of this jax.sharding.Mesh, feeds split
                 along axis 0 over its "batch" axis (else its first), honouring the model's
                 sharding annotations. None: the default device.
+            max_programs: compiled programs kept per step, evaluation and inference program,
+                one per feed signature (shapes and dtypes); the least recently used is dropped
+                beyond it, and a warning says which input keeps changing shape.
 
         Raises:
             ModelLoadError, UnsupportedOpError: the model cannot be read or translated.
             BindingError: training_info breaks a rule of the IR spec.
-            InputError: a bad nan_policy or mesh.
+            InputError: a bad nan_policy, mesh or max_programs.
         """
         check_policy(nan_policy)
+        limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         model = load_model(model)
         if not model.training_info:
@@ -102,8 +107,8 @@ class Trainer(Core):
         self._initializations = [InitializationProgram(model, i) if info.HasField("initialization") else None
                                  for i, info in enumerate(model.training_info)]
         steps = [GraphStep(model, i, variables, place) for i in range(len(model.training_info))]
-        super().__init__(model, store, place, steps, nan_policy, InferenceProgram(model, variables, place), home,
-                         layout.names, [p for p in self._initializations if p is not None])
+        super().__init__(model, store, place, steps, nan_policy, InferenceProgram(model, variables, place, limit),
+                         home, layout.names, [p for p in self._initializations if p is not None], limit)
         self.hyperparameter_names: tuple[str, ...] = tuple(hyper)
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from onnxtrain._engine.batches import same_signature_runs, stack
+from onnxtrain._engine.compiled import ProgramLimit
 from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.placement import Placement
 from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
@@ -37,14 +38,16 @@ class Core:
 
     def __init__(self, model: ModelProto, store: StateStore, placement: Placement, steps: Sequence[StepFunction],
                  nan_policy: str, inference: InferenceProgram, home: Home, state_names: Sequence[str],
-                 other_programs: Sequence[Program] = ()):
+                 other_programs: Sequence[Program] = (), limit: ProgramLimit | None = None):
         """model: the model without the stored values' payloads (see export.without_payloads);
-        home: where each exported value's initializer lives; state_names: what `state` shows."""
+        home: where each exported value's initializer lives; state_names: what `state` shows;
+        limit: how many programs each step function keeps (`inference` has its own)."""
         self._model = model
         self._store = store
         self._placement = placement
         store.place(placement.place_state, placement.replicate)
-        self._runners = [StepRunner(step, nan_policy, placement, store.transaction()) for step in steps]
+        limit = limit or ProgramLimit()
+        self._runners = [StepRunner(step, nan_policy, placement, store.transaction(), limit) for step in steps]
         self._inference = inference
         self._home = dict(home)
         self._other_programs = list(other_programs)
@@ -57,9 +60,17 @@ class Core:
 
     @property
     def compilations(self) -> int:
-        """Programs compiled so far (one per program and input signature)."""
+        """Programs compiled so far: one per program and feed signature, and one more each time a
+        signature evicted by max_programs comes back."""
         programs = [self._inference, *self._other_programs]
         return sum(runner.compilations() for runner in self._runners) + sum(p.compilations() for p in programs)
+
+    @property
+    def programs_kept(self) -> int:
+        """Compiled programs held now: at most max_programs feed signatures' worth per step,
+        evaluation and inference program."""
+        programs = [self._inference, *self._other_programs]
+        return sum(runner.kept() for runner in self._runners) + sum(p.kept() for p in programs)
 
     def set_state(self, name: str, value: Any) -> None:
         """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
@@ -100,7 +111,7 @@ class Core:
 
     def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
             callbacks: Sequence[Callback] = (), eval_data: Batches | None = None,
-            steps_per_call: int = 1) -> dict[str, list[float]]:
+            steps_per_call: int = 1, drop_last: bool = False) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
 
         batches: a re-iterable collection of feed dicts, or a function returning a fresh
@@ -110,9 +121,13 @@ class Core:
         consecutive same-shaped batches per compiled call, saving the per-step dispatch.
         Whatever the chunk size, values and NaN/Inf checks are read back a chunk later, while
         the device runs the next chunk. Other threads' calls may run between chunks.
+        drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from the
+        first's, so a short last batch does not compile a program of its own.
         """
+        check = self._runner(algorithm).step.check_feeds
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
-                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call)
+                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call,
+                   drop_last, lambda feeds: check(feeds, copy=False))
 
     def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
         """One step per batch; each run of same-shaped batches is one compiled call whose

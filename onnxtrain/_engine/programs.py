@@ -14,14 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.feeds import FeedChecker
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain._recipe.training_info import light_graph, model_of
-from onnxtrain.errors import BindingError
+from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.translate.graph import initializer_names
-from onnxtrain.translate.model import TranslatedModel, static_input_names
+# _host_only: the one definition of the values XLA cannot take (strings, 6-bit floats).
+from onnxtrain.translate.model import EagerSignatures, TranslatedModel, _host_only, static_input_names
 from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.values import NeedsHostValues
 
 
 def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str) -> TranslatedModel:
@@ -74,6 +77,11 @@ class Program:
                 **{name: values[name] for name in self.variables}}
 
     def compilations(self) -> int:
+        """Programs compiled so far."""
+        return self.translated._jitted._cache_size()
+
+    def kept(self) -> int:
+        """Programs held now."""
         return self.translated._jitted._cache_size()
 
 
@@ -101,12 +109,34 @@ class InitializationProgram(Program):
 class InferenceProgram(Program):
     """The main graph with the current state; reads the store, never writes it."""
 
-    def __init__(self, model: ModelProto, variables: Sequence[str], placement: Placement = DEFAULT_DEVICE):
+    def __init__(self, model: ModelProto, variables: Sequence[str], placement: Placement = DEFAULT_DEVICE,
+                 limit: ProgramLimit | None = None):
+        """limit: how many programs (one per feed signature) inference keeps."""
         super().__init__(model, light_graph(model.graph, set(variables)), variables, "main graph", placement,
                          "inference (main graph)")
+        self._compiled = Compiled(self.translated._traced, "inference (main graph)", limit or ProgramLimit(), 1)
+        self._eager_signatures = EagerSignatures()
 
     def run(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
-        return self.translated(self.params(values), feeds, key)
+        """The main graph's outputs: compiled once per feed signature (a bounded number of programs
+        kept), op by op where the graph cannot be traced."""
+        params = self.params(values)
+        if feeds not in self._eager_signatures and not _host_only(list(feeds.values())):
+            with jax.enable_x64(True):
+                try:
+                    return self._compiled(params, feeds, key)
+                except OnnxTrainError as error:
+                    raise without_jax_notes(error)
+                except NeedsHostValues:
+                    self._eager_signatures.add(feeds)
+        # Strings, and graphs that cannot be traced (the translated model says so, once): op by op.
+        return self.translated(params, feeds, key)
+
+    def compilations(self) -> int:
+        return self._compiled.compilations() + super().compilations()
+
+    def kept(self) -> int:
+        return self._compiled.kept() + super().kept()
 
 
 def host_copy(values: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:

@@ -15,12 +15,12 @@ import jax
 import numpy as np
 
 from onnxtrain._engine.batches import unstack
+from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Stacked, Unsettled, any_fault
 from onnxtrain._engine.placement import Placement
 from onnxtrain._engine.strategies import CheckThenUpdate, Plan, StepFunction, choose
 from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.state.store import StateStore
-from onnxtrain.translate.compiler_options import jit_with_options
 from onnxtrain.translate.model import EagerSignatures
 from onnxtrain.translate.values import NeedsHostValues
 
@@ -30,14 +30,16 @@ logger = logging.getLogger("onnxtrain")
 class StepRunner:
     """Runs `step` against a store, as `policy` says a faulty step is handled."""
 
-    def __init__(self, step: StepFunction, policy: str, placement: Placement, lock: Any):
-        """lock: the store's transaction lock, which settling deferred faults takes too."""
+    def __init__(self, step: StepFunction, policy: str, placement: Placement, lock: Any, limit: ProgramLimit):
+        """lock: the store's transaction lock, which settling deferred faults takes too; limit: how
+        many programs each compiled function keeps."""
         self.step = step
+        self._limit = limit
         self.ledger = FaultLedger(policy, step.where, placement.replicate, lock)
         self._placement = placement
         self._plan: Plan | None = None
         self._eager_signatures = EagerSignatures()
-        self._dry_run = jit_with_options(self._outputs_only)
+        self._dry_run = Compiled(self._outputs_only, f"{step.where} (evaluate)", limit, 3)
 
     def _outputs_only(self, state: dict, key: Any, constants: dict, feeds: dict) -> dict:
         return self.step(state, key, constants, feeds)[2]
@@ -51,7 +53,7 @@ class StepRunner:
     def plan_as(self, bound_bytes: int) -> Plan:
         """Choose the strategies as for `bound_bytes` of bound state, whatever its real size
         (for tests and benchmarks of a strategy on a small model)."""
-        self._plan = choose(self.step, self.ledger, self._placement, bound_bytes)
+        self._plan = choose(self.step, self.ledger, self._placement, bound_bytes, self._limit)
         return self._plan
 
     def run(self, store: StateStore, feeds: dict[str, Any], step: str = "step",
@@ -145,5 +147,10 @@ class StepRunner:
             return single.lower(store, feeds)
 
     def compilations(self) -> int:
+        """Programs compiled so far, evicted ones included."""
         plan = 0 if self._plan is None else self._plan.compilations()
-        return plan + self._dry_run._cache_size()
+        return plan + self._dry_run.compilations()
+
+    def kept(self) -> int:
+        """Programs held now."""
+        return (0 if self._plan is None else self._plan.kept()) + self._dry_run.kept()

@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from onnxtrain._engine.batches import unstack
+from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Faults, any_fault
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
 from onnxtrain._engine.update_tail import UpdateTail
 from onnxtrain.state.memory import device_zeros
 from onnxtrain.state.store import StateStore
-from onnxtrain.translate.compiler_options import jit_with_options
 
 # Below this many bytes of bound state an unchecked step updates in place: its time is
 # dispatch more than memory, and spare buffers are as many more arguments to pass.
@@ -75,12 +75,13 @@ def _prefetch_small(outputs: Mapping[str, Any]) -> None:
 
 
 class _Strategy:
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        self.step, self.placement, self.ledger = step, placement, ledger
-        self._jitted: list[Any] = []
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        self.step, self.placement, self.ledger, self.limit = step, placement, ledger, limit
+        self._jitted: list[Compiled] = []
 
-    def _jit(self, function: Any, **options: Any) -> Any:
-        jitted = jit_with_options(function, **options)
+    def _jit(self, function: Any, feeds_argnum: int, stacked: bool = False, **options: Any) -> Compiled:
+        """`function` jitted, one program per signature of its argument `feeds_argnum` (see Compiled)."""
+        jitted = Compiled(function, self.step.where, self.limit, feeds_argnum, stacked, **options)
         self._jitted.append(jitted)
         return jitted
 
@@ -91,7 +92,10 @@ class _Strategy:
         return store.key if self.step.random else None
 
     def compilations(self) -> int:
-        return sum(jitted._cache_size() for jitted in self._jitted)
+        return sum(jitted.compilations() for jitted in self._jitted)
+
+    def kept(self) -> int:
+        return sum(jitted.kept() for jitted in self._jitted)
 
     def _watch(self, updates: Mapping[str, Any], outputs: Mapping[str, Any]) -> Faults | None:
         return self.ledger.watch([*updates.items(), *outputs.items()])
@@ -100,9 +104,9 @@ class _Strategy:
 class InPlace(_Strategy):
     """Donate the whole state; the step's program overwrites it. Unchecked steps only."""
 
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        super().__init__(step, placement, ledger)
-        self._run = self._jit(self._call, donate_argnums=0)
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        super().__init__(step, placement, ledger, limit)
+        self._run = self._jit(self._call, 3, donate_argnums=0)
 
     def _call(self, state: dict, key: Any, constants: dict, feeds: dict) -> tuple:
         key, updates, outputs, _ = self.step(state, key, constants, feeds)
@@ -122,9 +126,9 @@ class DoubleBuffered(_Strategy):
     ones the previous step replaced). As cheap as an update in place, and a faulty step has
     touched nothing, so it is simply not committed."""
 
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        super().__init__(step, placement, ledger)
-        self._run = self._jit(self._call, donate_argnums=1, keep_unused=True)
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        super().__init__(step, placement, ledger, limit)
+        self._run = self._jit(self._call, 4, donate_argnums=1, keep_unused=True)
 
     def _call(self, state: dict, spare: dict, key: Any, constants: dict, feeds: dict) -> tuple:
         """`spare` is donated and never read: the new values land in its buffers."""
@@ -155,10 +159,10 @@ class CheckThenUpdate(_Strategy):
     gradients); if nothing is faulty, the second recomputes the tail into the donated state.
     The peak is the state plus the gradients instead of two states."""
 
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        super().__init__(step, placement, ledger)
-        self._check = self._jit(self._check_call, donate_argnums=1, keep_unused=True)
-        self._update = self._jit(self._update_call, donate_argnums=0)
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        super().__init__(step, placement, ledger, limit)
+        self._check = self._jit(self._check_call, 4, donate_argnums=1, keep_unused=True)
+        self._update = self._jit(self._update_call, 3, donate_argnums=0)
         # The last call's tail inputs, written over by the next call (fresh buffers would
         # fault in new pages over the gradients' size every step).
         self._scratch: dict[str, jax.Array] | None = None
@@ -211,9 +215,9 @@ class Linked(_Strategy):
     donated spare buffers (donating the state instead kept the new values in scratch until
     the select), committed at once; the caller reads its faults later."""
 
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        super().__init__(step, placement, ledger)
-        self._run = self._jit(self._call, donate_argnums=1, keep_unused=True)
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        super().__init__(step, placement, ledger, limit)
+        self._run = self._jit(self._call, 4, donate_argnums=1, keep_unused=True)
 
     def _call(self, state: dict, spare: dict, key: Any, constants: dict, feeds: dict, accepting: Any) -> tuple:
         state, key, outputs, faults, accepting = _selecting_step(self, state, key, constants, feeds, accepting)
@@ -231,9 +235,9 @@ class Scanned(_Strategy):
     """Several steps, one per leading-axis slice of the stacked feeds, as one lax.scan over the
     donated state."""
 
-    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger):
-        super().__init__(step, placement, ledger)
-        self._run = self._jit(self._call, donate_argnums=0)
+    def __init__(self, step: StepFunction, placement: Placement, ledger: FaultLedger, limit: ProgramLimit):
+        super().__init__(step, placement, ledger, limit)
+        self._run = self._jit(self._call, 3, stacked=True, donate_argnums=0)
 
     def _call(self, state: dict, key: Any, constants: dict, stacked: dict, accepting: Any) -> tuple:
         def body(carry: tuple, feeds: dict) -> tuple:
@@ -261,6 +265,9 @@ class Chained:
     def compilations(self) -> int:
         return 0
 
+    def kept(self) -> int:
+        return 0
+
     def run_many(self, store: StateStore, stacked: dict, accepting: Any) -> tuple:
         results = []
         for feeds in unstack(stacked):
@@ -281,22 +288,31 @@ class Plan:
     multi: Scanned | Chained | None
 
     def compilations(self) -> int:
-        parts = [self.single, self.linked, self.multi]
-        return sum(part.compilations() for part in parts if part is not None)
+        """Programs compiled so far, evicted ones included."""
+        return sum(part.compilations() for part in self._parts())
+
+    def kept(self) -> int:
+        """Programs held now."""
+        return sum(part.kept() for part in self._parts())
+
+    def _parts(self) -> list[Any]:
+        return [part for part in (self.single, self.linked, self.multi) if part is not None]
 
 
-def choose(step: StepFunction, ledger: FaultLedger, placement: Placement, bound_bytes: int) -> Plan:
-    """The strategies for `step` under `ledger`'s policy, with `bound_bytes` of bound state."""
+def choose(step: StepFunction, ledger: FaultLedger, placement: Placement, bound_bytes: int,
+           limit: ProgramLimit) -> Plan:
+    """The strategies for `step` under `ledger`'s policy, with `bound_bytes` of bound state, each
+    keeping the programs of at most `limit.max_programs` feed signatures."""
     checked, large = ledger.checked, bound_bytes >= LARGE_STATE_BYTES
     # On a mesh the scratch buffers would need the shardings XLA picks for the tail's inputs.
     recomputable = placement is DEFAULT_DEVICE and step.tail is not None and bool(step.tail.nodes)
     if not checked and not SMALL_STATE_BYTES <= bound_bytes < LARGE_STATE_BYTES:
-        single = InPlace(step, placement, ledger)
+        single = InPlace(step, placement, ledger, limit)
     elif checked and large and recomputable:
-        single = CheckThenUpdate(step, placement, ledger)
+        single = CheckThenUpdate(step, placement, ledger, limit)
     else:
-        single = DoubleBuffered(step, placement, ledger)
+        single = DoubleBuffered(step, placement, ledger, limit)
     if large or (checked and bound_bytes >= LINKED_STATE_BYTES):
         return Plan(single, None, None)
-    linked = Linked(step, placement, ledger)
-    return Plan(single, linked, Chained(linked) if step.loop_averse else Scanned(step, placement, ledger))
+    linked = Linked(step, placement, ledger, limit)
+    return Plan(single, linked, Chained(linked) if step.loop_averse else Scanned(step, placement, ledger, limit))

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 import onnxtrain._engine.strategies as strategies
+from onnxtrain._engine.compiled import ProgramLimit
 from onnxtrain.translate.compiler_options import jit_with_options
 from support.model_factory import conv_classifier
 
@@ -179,7 +180,7 @@ def test_unchecked_steps_write_into_spare_buffers_and_need_less_scratch(monkeypa
     runner, store = trainer._runners[0], trainer._store
     feeds = _two_conv_feeds(runner)
     ours = trainer.lowered(feeds).compile()
-    in_place = strategies.InPlace(runner.step, trainer._placement, runner.ledger)
+    in_place = strategies.InPlace(runner.step, trainer._placement, runner.ledger, ProgramLimit())
     with jax.enable_x64(True):
         theirs = in_place._run.lower(store.values, None, runner.step.constants, feeds).compile()
     assert ours.memory_analysis().temp_size_in_bytes < theirs.memory_analysis().temp_size_in_bytes

@@ -127,7 +127,7 @@ def test_check_then_update_writes_in_place_and_compiles_once():
         trainer.step(batch)
         assert all(before[name].is_deleted() for name in trainer._runners[0].step.bound)
         assert all(value.is_deleted() for value in gradients.values())
-    assert (single._check._cache_size(), single._update._cache_size()) == (1, 1)
+    assert (single._check.compilations(), single._update.compilations()) == (1, 1)
 
 
 @pytest.mark.slow

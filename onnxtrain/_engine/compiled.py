@@ -1,0 +1,144 @@
+"""Compiled programs kept per jitted function: one per feed signature, at most a limit of them.
+
+jax.jit keeps every program it compiles for as long as its function lives, so a model fed a
+new batch size every call would grow by a program per size without end. `Compiled` gives
+each feed signature (the feeds' shapes and dtypes) its own jax.jit of a fresh wrapper of the
+function: evicting the least recently used signature drops its wrapper, and with it the
+trace, the lowering and the executable that JAX's caches hold only as long as the wrapper
+lives. A training loop feeding one signature pays a dictionary look-up per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from onnxtrain.errors import InputError
+from onnxtrain.translate.compiler_options import jit_with_options
+
+logger = logging.getLogger("onnxtrain")
+
+# Programs a jitted function keeps by default: room for a training shape, a short last batch,
+# evaluation and inference shapes, with a margin, yet a bound on memory when shapes churn.
+DEFAULT_MAX_PROGRAMS = 16
+
+Signature = tuple[tuple[tuple[int, ...], Any], ...]
+
+
+class ProgramLimit:
+    """How many programs each jitted function of one front end keeps, and the warning, given
+    once per front end, that its feeds keep changing shape."""
+
+    def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS):
+        """Raises InputError unless max_programs is a positive integer."""
+        if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
+            raise InputError(f"max_programs must be a positive integer (programs kept per compiled "
+                             f"function), got {max_programs!r}")
+        self.max_programs = max_programs
+        self.warned = False
+
+    def churn(self, where: str, names: list[str], previous: Signature, current: Signature, stacked: bool) -> None:
+        """Warn, once, that `where` evicts a program because its feeds keep changing shape."""
+        if self.warned:
+            return
+        self.warned = True
+        logger.warning(
+            "%s: %s, and each new feed shape compiles a new program; only the %d most recently used "
+            "are kept (max_programs), so shapes that keep changing recompile without end. Feed a few "
+            "fixed shapes: fit(drop_last=True) skips a short last batch, or pad batches to a few "
+            "bucket sizes; or raise max_programs.",
+            where, _change(names, previous, current, stacked), self.max_programs)
+
+
+def _change(names: list[str], previous: Signature, current: Signature, stacked: bool) -> str:
+    """What differs between two feed signatures, by input and axis."""
+    for name, (old_shape, old_dtype), (new_shape, new_dtype) in zip(names, previous, current):
+        if old_dtype != new_dtype:
+            return f"input {name!r} changes dtype ({old_dtype}, then {new_dtype})"
+        if len(old_shape) != len(new_shape):
+            return f"input {name!r} changes rank ({len(old_shape) - stacked}, then {len(new_shape) - stacked})"
+        for axis, (old, new) in enumerate(zip(old_shape, new_shape)):
+            if old != new:
+                if stacked and axis == 0:
+                    return f"the number of batches per call changes ({old}, then {new})"
+                return f"input {name!r} changes size on axis {axis - stacked} ({old}, then {new})"
+    return "the feeds' signature changes"
+
+
+def signature(feeds: Mapping[str, Any]) -> Signature:
+    """Shapes and dtypes of checked feeds, in order: what selects a program."""
+    try:
+        return tuple([(value.shape, value.dtype) for value in feeds.values()])
+    except AttributeError:
+        # A sequence, map or optional input: its structure and leaves select the program.
+        return tuple([(np.shape(value), getattr(value, "dtype", None)) if isinstance(value, (np.ndarray, jax.Array))
+                      else (_structure(value), None) for value in feeds.values()])
+
+
+def _structure(value: Any) -> tuple:
+    leaves, tree = jax.tree.flatten(value)
+    return (str(tree), *((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves))
+
+
+class Compiled:
+    """`function` jitted (with onnxtrain's compiler options and `options`), keeping the programs
+    of the `limit.max_programs` most recently used feed signatures; its feeds are argument
+    `feeds_argnum`, a dict of arrays (stacked: with a leading axis of steps)."""
+
+    def __init__(self, function: Callable, where: str, limit: ProgramLimit, feeds_argnum: int,
+                 stacked: bool = False, **options: Any):
+        self._function = function
+        self._where = where
+        self._limit = limit
+        self._feeds_argnum = feeds_argnum
+        self._stacked = stacked
+        self._options = options
+        self._programs: OrderedDict[Signature, Any] = OrderedDict()
+        self._retired = 0  # programs compiled by evicted signatures' jits
+
+    def __call__(self, *args: Any) -> Any:
+        return self._program(args[self._feeds_argnum])(*args)
+
+    def lower(self, *args: Any) -> Any:
+        """The program for these arguments, lowered but not compiled."""
+        return self._program(args[self._feeds_argnum]).lower(*args)
+
+    def compilations(self) -> int:
+        """Programs compiled so far, evicted ones included."""
+        return self._retired + self.kept()
+
+    def kept(self) -> int:
+        """Programs held now: at most limit.max_programs signatures' worth."""
+        return sum(program._cache_size() for program in self._programs.values())
+
+    def _program(self, feeds: Mapping[str, Any]) -> Any:
+        key = signature(feeds)
+        program = self._programs.get(key)
+        if program is None:
+            return self._add(key, feeds)
+        self._programs.move_to_end(key)
+        return program
+
+    def _add(self, key: Signature, feeds: Mapping[str, Any]) -> Any:
+        if len(self._programs) >= self._limit.max_programs:
+            previous = next(reversed(self._programs))
+            _, evicted = self._programs.popitem(last=False)
+            self._retired += evicted._cache_size()
+            evicted._clear_cache()
+            self._limit.churn(self._where, list(feeds), previous, key, self._stacked)
+
+        # A fresh function object per signature: JAX's trace and lowering caches are keyed on it
+        # weakly, so they let go of this signature's program when the eviction drops the wrapper.
+        @functools.wraps(self._function)
+        def fresh(*args: Any, **kwargs: Any) -> Any:
+            return self._function(*args, **kwargs)
+
+        program = jit_with_options(fresh, **self._options)
+        self._programs[key] = program
+        return program
