@@ -276,8 +276,9 @@ def test_structural_mutation_classes_raise_only_onnxtrain_errors(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "control_flow", "adam"])
 def test_long_node_chain_is_refused_by_depth(name: str, tmp_path: Path) -> None:
-    """30,000 chained nodes: refused by the depth bound before compiling (drawn on its own,
-    not at random: building and planning such a model takes seconds)."""
+    """A chain of Identity nodes far past MAX_GRAPH_DEPTH: refused by the depth bound before
+    anything compiles. It has its own test rather than random draws: building and planning
+    such a model costs far more than any other mutant."""
     folder = model_folder(tmp_path)
     for index in range(2):
         model, applied = mutated(seed(name, folder).model, random.Random(index), 1, folder,
