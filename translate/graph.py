@@ -250,9 +250,10 @@ def _check_ranks(spec: NodeSpec, result: Any) -> None:
 
 
 # What an op handler raises when a node's inputs or attributes do not fit its operator: too
-# many or too few inputs, a required input left empty, shapes that do not broadcast; and what
-# numpy raises for sizes it cannot hold (a count beyond int64, an allocation that fails).
-_MISFIT_ERRORS = (TypeError, ValueError, IndexError, KeyError, OverflowError, MemoryError)
+# many or too few inputs, a required input left empty (None, whose missing attributes raise
+# AttributeError), shapes that do not broadcast; and what numpy raises for sizes it cannot
+# hold (a count beyond int64, an allocation that fails).
+_MISFIT_ERRORS = (TypeError, ValueError, IndexError, KeyError, AttributeError, OverflowError, MemoryError)
 
 
 def _described(value: Any) -> str:
