@@ -12,6 +12,7 @@ from onnxtrain.errors import (
     ModelLoadError,
     NumericError,
     OnnxTrainError,
+    ResourceError,
     UnsupportedOpError,
 )
 from onnxtrain import optim
@@ -33,6 +34,7 @@ __all__ = [
     "ModelLoadError",
     "NumericError",
     "OnnxTrainError",
+    "ResourceError",
     "ShardingAnnotationWarning",
     "Trainer",
     "UnsupportedOpError",

@@ -37,6 +37,25 @@ class ExportError(OnnxTrainError):
     """A model or checkpoint cannot be written."""
 
 
+class ResourceError(OnnxTrainError):
+    """A compiled program needs more memory than the device has."""
+
+
+def out_of_memory(error: BaseException, where: str) -> ResourceError | None:
+    """A ResourceError naming `where` when `error` is XLA's RESOURCE_EXHAUSTED, else None.
+
+    A model can ask for outputs no device holds (a Tile or Expand to a huge shape) while every
+    shape stays valid, so only running the program finds out.
+    """
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not first_line.startswith("RESOURCE_EXHAUSTED"):
+        return None
+    return ResourceError(
+        f"{where}: the compiled program needs more memory than the device has ({first_line[:200]}). "
+        "Check the model's shapes (an Expand, Tile or ConstantOfShape to a huge shape), or feed "
+        "smaller batches")
+
+
 def without_jax_notes(error: BaseException) -> BaseException:
     """Drop the note JAX attaches to exceptions raised while tracing: our messages stand alone."""
     notes = getattr(error, "__notes__", None)

@@ -19,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
+from onnxtrain.errors import InputError, OnnxTrainError, out_of_memory, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.proto.walk import iter_graph_tree
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
@@ -208,6 +208,11 @@ class TranslatedModel:
                     return self._compiled(params, inputs, key)
                 except OnnxTrainError as error:
                     raise without_jax_notes(error)
+                except jax.errors.JaxRuntimeError as error:
+                    exhausted = out_of_memory(error, f"model {self.name!r}")
+                    if exhausted is None:
+                        raise
+                    raise exhausted from None
                 except NeedsHostValues as reason:
                     logger.warning("model %r runs op by op (no jit) for these input shapes: %s",
                                    self.name, reason)

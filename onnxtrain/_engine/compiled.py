@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from onnxtrain.errors import InputError
+from onnxtrain.errors import InputError, out_of_memory
 from onnxtrain.translate.compiler_options import jit_with_options
 
 logger = logging.getLogger("onnxtrain")
@@ -103,7 +103,13 @@ class Compiled:
         self._retired = 0  # programs compiled by evicted signatures' jits
 
     def __call__(self, *args: Any) -> Any:
-        return self._program(args[self._feeds_argnum])(*args)
+        try:
+            return self._program(args[self._feeds_argnum])(*args)
+        except jax.errors.JaxRuntimeError as error:
+            exhausted = out_of_memory(error, self._where)
+            if exhausted is None:
+                raise
+            raise exhausted from None
 
     def lower(self, *args: Any) -> Any:
         """The program for these arguments, lowered but not compiled."""
