@@ -15,6 +15,7 @@ process's main module.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-SIZE = 1 << 19   # 2 MiB of float32: a write takes ~10 ms, so kills land before, during and after
+SIZE = 1 << 19   # 2 MiB of float32: long enough a write that kills can land inside it
 
 
 def _model(version: int):
@@ -37,24 +38,33 @@ def _model(version: int):
     return ModelProto(ir_version=9, graph=graph)
 
 
-def _write_models(path: str, version: int, ready) -> None:
+def _save_model(path: str, version: int) -> None:
     from onnxtrain._io.model import save_model
 
-    ready.set()
-    while True:
-        save_model(_model(version), path)
-        version += 1
+    save_model(_model(version), path)
 
 
-def _write_checkpoints(path: str, version: int, ready) -> None:
+@functools.cache
+def _key():
+    """The checkpoints' PRNG key; the first call starts JAX, which takes far longer than a save."""
     import jax
 
+    return jax.random.key(0)
+
+
+def _save_checkpoint(path: str, version: int) -> None:
     from onnxtrain.state.checkpoint import save_checkpoint
 
-    key = jax.random.key(0)
+    save_checkpoint(path, {"W": np.full(SIZE, version, np.float32), "T": np.array(version)}, _key())
+
+
+def _write(kind: str, path: str, version: int, ready) -> None:
+    """Save versions version, version + 1, ... until killed, once the one-time costs are paid."""
+    save, _, warm_up = KINDS[kind]
+    warm_up()
     ready.set()
     while True:
-        save_checkpoint(path, {"W": np.full(SIZE, version, np.float32), "T": np.array(version)}, key)
+        save(path, version)
         version += 1
 
 
@@ -73,23 +83,30 @@ def _read_checkpoint(path: str) -> set[float]:
     return set(np.unique(values["W"]).tolist()) | {float(values["T"])}
 
 
-
-KINDS = {"model": (_write_models, _read_model), "checkpoint": (_write_checkpoints, _read_checkpoint)}
+# kind: (save one version, read the file back, pay one-time costs before the kill clock starts)
+KINDS = {"model": (_save_model, _read_model, lambda: None),
+         "checkpoint": (_save_checkpoint, _read_checkpoint, _key)}
 
 
 def main(kind: str, folder: str, kills: int) -> None:
-    write, read = KINDS[kind]
+    save, read, _ = KINDS[kind]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["onnxtrain._io.model", "onnxtrain.state.checkpoint"])
     path = str(Path(folder) / "target")
+    # Kills spread over about three saves, however fast this machine saves just now, so they
+    # land before, during and after a write.
+    save(path, 0)
+    started = time.perf_counter()
+    save(path, 0)
+    window = 3 * (time.perf_counter() - started)
     rng = random.Random(0)
     replaced, broken, previous = 0, [], None
     for kill in range(1, kills + 1):
         ready = context.Event()
-        writer = context.Process(target=write, args=(path, kill * 1000, ready))
+        writer = context.Process(target=_write, args=(kind, path, kill * 1000, ready))
         writer.start()
         ready.wait(timeout=60)
-        time.sleep(rng.uniform(0.0, 0.05) if previous is not None else 0.5)
+        time.sleep(rng.uniform(0.0, window))
         os.kill(writer.pid, signal.SIGKILL)
         writer.join()
         try:
