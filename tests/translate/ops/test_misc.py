@@ -151,7 +151,7 @@ def _signal(shape: tuple[int, ...], dtype=np.float64, seed: int = 0) -> np.ndarr
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
-@pytest.mark.parametrize("length", [5, 8, 11])
+@pytest.mark.parametrize("length", [pytest.param(5, marks=pytest.mark.slow), 8, pytest.param(11, marks=pytest.mark.slow)])
 def test_dft_of_a_complex_signal_pads_or_cuts_to_dft_length(length):
     x = _signal((2, 8, 3, 2))
     node = helper.make_node("DFT", ["X", "L", "A"], ["Y"])
@@ -627,7 +627,7 @@ def test_tree_ensemble_classifier_multiclass_matches_the_reference(post):
     _check_against_reference(model, inputs)
 
 
-@pytest.mark.parametrize("post", ["NONE", "LOGISTIC"])
+@pytest.mark.parametrize("post", ["NONE", pytest.param("LOGISTIC", marks=pytest.mark.slow)])
 def test_tree_ensemble_classifier_binary_matches_the_reference(post):
     inputs = {"X": _TREE_X}
     model = _ml("TreeEnsembleClassifier", inputs, ("Y", "Z"), ml_opset=3, classlabels_strings=["n", "y"],
