@@ -19,6 +19,7 @@ import pytest
 
 from onnxtrain.cli import demo_model_path, main
 from support import paths
+from support.onnx_checks import check_training_model
 
 ROOT = paths.REPO
 
@@ -35,23 +36,7 @@ def test_committed_demo_model_is_what_the_script_writes():
 
 
 def test_demo_model_passes_the_onnx_checker_including_its_training_graphs():
-    model = onnx.load(demo_model_path())
-    onnx.checker.check_model(model, full_check=True)
-    info = model.training_info[0]
-    combined = onnx.GraphProto()
-    combined.CopyFrom(model.graph)
-    for field in ("input", "initializer", "output", "node", "value_info", "sparse_initializer"):
-        getattr(combined, field).extend(getattr(info.algorithm, field))
-    for graph in (combined, info.initialization):
-        onnx.checker.check_model(
-            onnx.helper.make_model(graph, opset_imports=model.opset_import,
-                                   ir_version=model.ir_version),
-            full_check=True,
-        )
-    state = {b.key for b in info.update_binding}
-    assert state == {b.key for b in info.initialization_binding}
-    initializers = {t.name for t in model.graph.initializer} | {t.name for t in info.algorithm.initializer}
-    assert state <= initializers
+    check_training_model(onnx.load(demo_model_path()), full_check_graphs=True)
 
 
 def test_onnxruntime_serves_the_demo_model_like_a_numpy_forward_pass():

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
 from onnxtrain import BindingError, optim
+from support.onnx_checks import check_training_model
 
 RNG = np.random.default_rng(0)
 W = RNG.normal(size=(4, 3)).astype(np.float32)
@@ -33,19 +34,6 @@ def _linear(extra_nodes=(), extra_initializers=(), opset=17, output="y"):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
 
 
-def _check_with_onnx(model):
-    model = onnx.load_from_string(model.SerializeToString())
-    onnx.checker.check_model(model, full_check=True)
-    info = model.training_info[0]
-    combined = onnx.GraphProto()
-    combined.CopyFrom(model.graph)
-    for field in ("input", "initializer", "output", "node", "value_info", "sparse_initializer"):
-        getattr(combined, field).extend(getattr(info.algorithm, field))
-    for graph in (combined, info.initialization):
-        onnx.checker.check_model(helper.make_model(graph, opset_imports=model.opset_import,
-                                                   ir_version=model.ir_version))
-
-
 LOSSES = {
     "mse": (lambda p, t: np.mean((p - t) ** 2), lambda p, t: 2 * (p - t) / p.size),
     "l1": (lambda p, t: np.mean(np.abs(p - t)), lambda p, t: np.sign(p - t) / p.size),
@@ -57,7 +45,7 @@ LOSSES = {
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_elementwise_losses_and_sgd_step_match_numpy(loss):
     model = onnxtrain.make_training_model(_linear(), loss=loss, optimizer=optim.SGD(lr=0.1))
-    _check_with_onnx(model)
+    check_training_model(model)
     target = RNG.uniform(size=(16, 3)).astype(np.float32)
     trainer = onnxtrain.Trainer(model)
     value, derivative = LOSSES[loss]
@@ -72,7 +60,7 @@ def test_elementwise_losses_and_sgd_step_match_numpy(loss):
 def test_cross_entropy_with_adam_counts_from_one():
     labels = RNG.integers(0, 3, 16).astype(np.int64)
     model = onnxtrain.make_training_model(_linear(), loss="cross_entropy", optimizer=optim.Adam(lr=0.01))
-    _check_with_onnx(model)
+    check_training_model(model)
     trainer = onnxtrain.Trainer(model)
     logits = X.astype(np.float64) @ W + B
     probabilities = np.exp(logits - logits.max(1, keepdims=True))
@@ -111,7 +99,7 @@ def test_batchnorm_trains_on_batch_statistics_and_updates_running_ones():
     model = _linear([bn], [numpy_helper.from_array(a, n) for a, n in
                            ((scale, "s"), (bias, "b"), (mean, "m"), (var, "v"))], output="z")
     training = onnxtrain.make_training_model(model, loss="mse", optimizer=optim.SGD(lr=0.0))
-    _check_with_onnx(training)
+    check_training_model(training)
     trainer = onnxtrain.Trainer(training)
     assert "m" in trainer.state_names and "m" not in [b.key for b in training.training_info[0].initialization_binding]
     target = np.zeros((16, 3), np.float32)
@@ -169,7 +157,7 @@ def test_user_loss_graph_is_inlined():
          helper.make_tensor_value_info("t", TensorProto.FLOAT, ["batch", 3])],
         [helper.make_tensor_value_info("l", TensorProto.FLOAT, [])])
     model = onnxtrain.make_training_model(_linear(), loss=loss_graph, optimizer=optim.SGD(lr=0.1))
-    _check_with_onnx(model)
+    check_training_model(model)
     target = np.zeros((16, 3), np.float32)
     out = onnxtrain.Trainer(model).step({"x": X, "labels": target})
     np.testing.assert_allclose(out["loss"], np.abs(X @ W + B).max(), rtol=1e-6)
