@@ -1,107 +1,173 @@
 """A/B of onnxtrain's training step: this checkout against another, measured in one run.
 
-Both sides run the same worker scripts from this folder (bench/systems/, bench/training_step.py)
-on the same files; only the interpreter differs, and so the onnxtrain it imports (give the
-other side's with --base, e.g. the .venv of a checkout of the commit to compare against).
-Rounds alternate which side goes first, so drift of the shared machine spreads over both.
+Both sides run the same worker (bench/systems/lockstep.py) on the same files; only the
+interpreter differs, and so the onnxtrain it imports (give the other side's with --base, e.g.
+the .venv of a checkout of the commit to compare against).
 
-- Systems rows (bench/run.py's workers, a fresh process each): per-step median over the
-  process, median over rounds; ratio = this side / base.
-- Image rows (bench/training_step.py --models M): each process times Trainer.step against the
-  same network hand-written in JAX; the ratio compared is that in-process ratio, this side's
-  over base's, which cancels most of the machine's drift.
+Why lockstep: on a shared machine a process's speed drifts by tens of percent over seconds,
+so medians of separate processes (or separate runs) cannot resolve a few percent. Here both
+sides' workers are resident and warm, and take turns: a pair is one block of steps on each
+side, back to back, the order alternating from pair to pair; a block lasts about --block-s
+seconds. The ratio reported is the median over pairs of (this block / base block), with a
+distribution-free 95 % interval for that median; peak RSS is each worker's own high-water mark.
 
-Usage: python bench/ab.py --base OTHER/.venv/bin/python [--rounds 7] [--models mlp,cnn,transformer]
-           [--systems onnxtrain-step,onnxtrain-step-unchecked,onnxtrain-fit,onnxtrain-fit-unchecked]
-           [--images mlp,cnn,mobilenet,resnet] [--image-rounds 3] [--quick]
+Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 41] [--block-s 0.25]
+           [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
+           [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
+import onnx
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
+import models  # noqa: E402
 import run  # noqa: E402
 
-ONNXTRAIN_SYSTEMS = "onnxtrain-step,onnxtrain-step-unchecked,onnxtrain-fit,onnxtrain-fit-unchecked"
-_ROW = re.compile(r"^(\w+)\s+onnxtrain\s+([\d.]+) ms/step.*?ratio\s+([\d.]+)", re.M)
 
 
-def _systems_rows(sides: dict[str, Path], models: list[str], systems: list[str], rounds: int,
-                  quick: bool) -> list[str]:
-    lines = []
-    with tempfile.TemporaryDirectory() as folder:
-        for model in models:
-            run.prepare(model, Path(folder))
-        medians = {(m, s, side): [] for m in models for s in systems for side in sides}
-        for index in range(rounds):
+def _host_weights() -> dict[str, np.ndarray]:
+    """The MLP's shapes with 8 hidden units: a step that is almost all host-side work."""
+    weights = models.mlp_weights()
+    return {"W1": weights["W1"][:, :8], "B1": weights["B1"][:8], "W2": weights["W2"][:8], "B2": weights["B2"]}
+
+
+# name: (weights, ONNX builder, input shape, batch); the image models use training_step.py's
+# batch. "host" is the MLP shrunk until the step's host-side work is most of its time.
+MODELS = {name: (*run.MODELS[name][:3], run.BATCH) for name in run.MODELS} | {
+    "host": (_host_weights, models.mlp_onnx, (784,), run.BATCH),
+    "mobilenet": (models.mobilenet_weights, models.mobilenet_onnx, models.MOBILENET_INPUT, run.RESNET_BATCH),
+    "resnet": (models.resnet18_weights, models.resnet18_onnx, models.RESNET18_INPUT, run.RESNET_BATCH),
+}
+# mode: what the worker's job adds.
+MODES = {"step": {}, "step-unchecked": {"nan_policy": "ignore"},
+         "fit": {"fit": True}, "fit-unchecked": {"fit": True, "nan_policy": "ignore"}}
+STEPS_PER_CALL = 8  # bench/systems/common.STEPS_PER_CALL: a fit block is a multiple of it
+WARMUP_S = 3.0
+
+
+class Worker:
+    """One side's resident lockstep.py process."""
+
+    def __init__(self, python: Path, task: dict):
+        self.process = subprocess.Popen([str(python), str(BENCH / "systems" / "lockstep.py"), json.dumps(task)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            error = self.process.stderr.read().strip().splitlines()
+            raise SystemExit(f"lockstep worker failed: {error[-1] if error else self.process.wait()}")
+        return json.loads(line)
+
+    def block(self, steps: int) -> float:
+        self.process.stdin.write(f"{steps}\n")
+        self.process.stdin.flush()
+        return self._answer()["seconds"]
+
+    def close(self) -> dict:
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        final = self._answer()
+        self.process.wait(timeout=60)
+        return final
+
+
+def prepare(name: str, folder: Path) -> None:
+    weights_of, build, shape, batch = MODELS[name]
+    rng = np.random.default_rng(0)
+    np.savez(folder / f"{name}.batches.npz",
+             x=rng.standard_normal((run.BATCHES, batch, *shape)).astype(np.float32),
+             labels=rng.integers(0, 10, (run.BATCHES, batch)).astype(np.int64))
+    onnx.save(models.training_onnx(build(weights_of())), folder / f"{name}.training.onnx")
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95 % interval for the median: the order statistics the binomial
+    (n, 1/2) puts at least 95 % between (normal approximation, fine from n of about 20)."""
+    ordered, n = sorted(values), len(values)
+    half = 1.96 * math.sqrt(n) / 2
+    low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return ordered[low], ordered[high]
+
+
+def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float) -> dict:
+    workers = {side: Worker(python, task) for side, python in sides.items()}
+    try:
+        unit = STEPS_PER_CALL if task.get("fit") else 1
+        # Block size from the warm speed of the faster side, in whole fit calls; this also warms both.
+        steps, start = unit, time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            seconds = max(min(workers[side].block(steps) for side in sides), 1e-6)
+            steps = max(unit, round(steps * block_s / seconds / unit) * unit)
+        ratios, times = [], {side: [] for side in sides}
+        for index in range(pairs):
             order = list(sides) if index % 2 == 0 else list(sides)[::-1]
-            for model in models:
-                warmup, timed = run.MODELS[model][4 if quick else 3]
-                task = {"dir": folder, "model": model, "warmup": warmup, "steps": timed}
-                for system in systems:
-                    for side in order:
-                        result = run.run_worker(sides[side], system, task)
-                        if "unavailable" in result:
-                            raise SystemExit(f"{side} {system} {model}: {result['unavailable']}")
-                        medians[model, system, side].append(statistics.median(result["times"]))
-            print(f"round {index + 1}/{rounds} done", flush=True)
-    for model in models:
-        for system in systems:
-            new, base = (statistics.median(medians[model, system, side]) for side in ("this", "base"))
-            lines.append(f"| {model} | {system} | {base * 1e3:.3f} | {new * 1e3:.3f} | {new / base:.3f} |")
-    return lines
-
-
-def _image_rows(sides: dict[str, Path], images: list[str], rounds: int, quick: bool) -> list[str]:
-    found: dict[tuple[str, str], list] = {}
-    arguments = ["--quick"] if quick else ["--rounds", "5"]
-    for index in range(rounds):
-        for side in (list(sides) if index % 2 == 0 else list(sides)[::-1]):
-            done = subprocess.run([str(sides[side]), str(BENCH / "training_step.py"), "--models", ",".join(images),
-                                   *arguments], capture_output=True, text=True, timeout=1800)
-            if done.returncode:
-                raise SystemExit(f"{side} training_step.py failed: {done.stderr.strip().splitlines()[-1:]}")
-            for label, milliseconds, ratio in _ROW.findall(done.stdout):
-                found.setdefault((label, side), []).append((float(milliseconds), float(ratio)))
-        print(f"image round {index + 1}/{rounds} done", flush=True)
-    lines = []
-    for name in dict.fromkeys(label for label, _ in found):
-        base, new = ([statistics.median(v) for v in zip(*found[name, side])] for side in ("base", "this"))
-        lines.append(f"| {name} | Trainer.step / hand-written JAX (training_step.py) | {base[1]:.3f} | "
-                     f"{new[1]:.3f} | {new[1] / base[1]:.3f} |")
-    return lines
+            taken = {side: workers[side].block(steps) / steps for side in order}
+            for side in sides:
+                times[side].append(taken[side])
+            ratios.append(taken["this"] / taken["base"])
+        finals = {side: worker.close() for side, worker in workers.items()}
+    finally:
+        for worker in workers.values():
+            worker.process.kill()
+    recompiled = {side: finals[side]["compilations"] - workers[side].ready["compilations"] for side in sides}
+    return {"steps": steps, "ratio": statistics.median(ratios), "interval": median_interval(ratios),
+            "ms": {side: statistics.median(times[side]) * 1e3 for side in sides},
+            "rss": {side: finals[side]["peak_rss_mb"] for side in sides}, "recompiled": recompiled}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, type=Path, help="the python whose onnxtrain is the baseline")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--models", default="mlp,cnn,transformer")
-    parser.add_argument("--systems", default=ONNXTRAIN_SYSTEMS)
-    parser.add_argument("--images", default="mlp,cnn,mobilenet,resnet", help="training_step.py rows ('' for none)")
-    parser.add_argument("--image-rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, few steps")
+    parser.add_argument("--pairs", type=int, default=41)
+    parser.add_argument("--block-s", type=float, default=0.25, help="seconds per block, about")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--quick", action="store_true", help="smoke run: mlp only, 5 short pairs")
     arguments = parser.parse_args()
     sides = {"this": Path(sys.executable), "base": arguments.base}
-    rounds = 1 if arguments.quick else arguments.rounds
-    lines = ["| model | row | base | this | this / base |", "|---|---|---|---|---|"]
-    models = [m for m in arguments.models.split(",") if m]
-    if models:
-        lines += _systems_rows(sides, models, arguments.systems.split(","), rounds, arguments.quick)
-    images = [m for m in arguments.images.split(",") if m]
-    if images:
-        lines += _image_rows(sides, images, 1 if arguments.quick else arguments.image_rounds, arguments.quick)
-    print("\nms/step for systems rows; onnxtrain / hand-written JAX for training_step.py rows\n")
+    names = ["mlp"] if arguments.quick else [m for m in arguments.models.split(",") if m]
+    modes = [m for m in arguments.modes.split(",") if m]
+    pairs, block_s = (5, 0.05) if arguments.quick else (arguments.pairs, arguments.block_s)
+    unknown = set(names) - set(MODELS) | set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown models or modes: {sorted(unknown)}; models: {list(MODELS)}, modes: {list(MODES)}")
+    lines = ["| model | mode | steps/block | base ms/step | this ms/step | this / base (95 % interval) "
+             "| peak RSS MB base / this |", "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            prepare(name, Path(folder))
+            for mode in modes:
+                # The image models warm up one step: their first call compiles for tens of seconds.
+                warmup = STEPS_PER_CALL if "fit" in mode else 3
+                task = {"dir": folder, "model": name, "warmup": warmup, **MODES[mode]}
+                found = compare(sides, task, pairs, block_s)
+                if any(found["recompiled"].values()):
+                    raise SystemExit(f"{name} {mode}: a worker compiled again while timed: {found['recompiled']}")
+                low, high = found["interval"]
+                line = (f"| {name} | {mode} | {found['steps']} | {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
+                        f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
+                        f"| {found['rss']['base']:.0f} / {found['rss']['this']:.0f} |")
+                print(line, flush=True)
+                lines.append(line)
+    print(f"\n{pairs} pairs per row, blocks of about {block_s} s; this = {sides['this']}, base = {sides['base']}\n")
     print("\n".join(lines))
 
 
