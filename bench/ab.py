@@ -11,7 +11,7 @@ side, back to back, the order alternating from pair to pair; a block lasts about
 seconds. The ratio reported is the median over pairs of (this block / base block), with a
 distribution-free 95 % interval for that median; peak RSS is each worker's own high-water mark.
 
-Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 41] [--block-s 0.25]
+Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 41] [--block-s 0.25] [--row-s 120]
            [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
            [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
@@ -58,6 +58,7 @@ MODES = {"step": {}, "step-unchecked": {"nan_policy": "ignore"},
          "fit": {"fit": True}, "fit-unchecked": {"fit": True, "nan_policy": "ignore"}}
 STEPS_PER_CALL = 8  # bench/systems/common.STEPS_PER_CALL: a fit block is a multiple of it
 WARMUP_S = 3.0
+MIN_PAIRS = 9  # a row stops at its time budget, but not before this many pairs
 
 
 class Worker:
@@ -107,7 +108,7 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[low], ordered[high]
 
 
-def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float) -> dict:
+def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float) -> dict:
     workers = {side: Worker(python, task) for side, python in sides.items()}
     try:
         unit = STEPS_PER_CALL if task.get("fit") else 1
@@ -116,8 +117,10 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float) -> d
         while time.perf_counter() - start < WARMUP_S:
             seconds = max(min(workers[side].block(steps) for side in sides), 1e-6)
             steps = max(unit, round(steps * block_s / seconds / unit) * unit)
-        ratios, times = [], {side: [] for side in sides}
+        ratios, times, start = [], {side: [] for side in sides}, time.perf_counter()
         for index in range(pairs):
+            if index >= MIN_PAIRS and time.perf_counter() - start > row_s:
+                break
             order = list(sides) if index % 2 == 0 else list(sides)[::-1]
             taken = {side: workers[side].block(steps) / steps for side in order}
             for side in sides:
@@ -128,7 +131,7 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float) -> d
         for worker in workers.values():
             worker.process.kill()
     recompiled = {side: finals[side]["compilations"] - workers[side].ready["compilations"] for side in sides}
-    return {"steps": steps, "ratio": statistics.median(ratios), "interval": median_interval(ratios),
+    return {"steps": steps, "pairs": len(ratios), "ratio": statistics.median(ratios), "interval": median_interval(ratios),
             "ms": {side: statistics.median(times[side]) * 1e3 for side in sides},
             "rss": {side: finals[side]["peak_rss_mb"] for side in sides}, "recompiled": recompiled}
 
@@ -138,6 +141,8 @@ def main() -> None:
     parser.add_argument("--base", required=True, type=Path, help="the python whose onnxtrain is the baseline")
     parser.add_argument("--pairs", type=int, default=41)
     parser.add_argument("--block-s", type=float, default=0.25, help="seconds per block, about")
+    parser.add_argument("--row-s", type=float, default=120.0,
+                        help=f"time budget per row: fewer pairs (at least {MIN_PAIRS}) where blocks are long")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp only, 5 short pairs")
@@ -149,8 +154,8 @@ def main() -> None:
     unknown = set(names) - set(MODELS) | set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown models or modes: {sorted(unknown)}; models: {list(MODELS)}, modes: {list(MODES)}")
-    lines = ["| model | mode | steps/block | base ms/step | this ms/step | this / base (95 % interval) "
-             "| peak RSS MB base / this |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | mode | steps/block | pairs | base ms/step | this ms/step | this / base (95 % interval) "
+             "| peak RSS MB base / this |", "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             prepare(name, Path(folder))
@@ -158,16 +163,17 @@ def main() -> None:
                 # The image models warm up one step: their first call compiles for tens of seconds.
                 warmup = STEPS_PER_CALL if "fit" in mode else 3
                 task = {"dir": folder, "model": name, "warmup": warmup, **MODES[mode]}
-                found = compare(sides, task, pairs, block_s)
+                found = compare(sides, task, pairs, block_s, arguments.row_s)
                 if any(found["recompiled"].values()):
                     raise SystemExit(f"{name} {mode}: a worker compiled again while timed: {found['recompiled']}")
                 low, high = found["interval"]
-                line = (f"| {name} | {mode} | {found['steps']} | {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
+                line = (f"| {name} | {mode} | {found['steps']} | {found['pairs']} | {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
                         f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
                         f"| {found['rss']['base']:.0f} / {found['rss']['this']:.0f} |")
                 print(line, flush=True)
                 lines.append(line)
-    print(f"\n{pairs} pairs per row, blocks of about {block_s} s; this = {sides['this']}, base = {sides['base']}\n")
+    print(f"\nat most {pairs} pairs per row (at most {arguments.row_s:.0f} s after warm-up), blocks of about "
+          f"{block_s} s; this = {sides['this']}, base = {sides['base']}\n")
     print("\n".join(lines))
 
 
