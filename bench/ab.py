@@ -131,7 +131,8 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_
         for worker in workers.values():
             worker.process.kill()
     recompiled = {side: finals[side]["compilations"] - workers[side].ready["compilations"] for side in sides}
-    return {"steps": steps, "pairs": len(ratios), "ratio": statistics.median(ratios), "interval": median_interval(ratios),
+    return {"steps": steps, "pairs": len(ratios), "ratio": statistics.median(ratios),
+            "interval": median_interval(ratios),
             "ms": {side: statistics.median(times[side]) * 1e3 for side in sides},
             "rss": {side: finals[side]["peak_rss_mb"] for side in sides}, "recompiled": recompiled}
 
@@ -167,7 +168,8 @@ def main() -> None:
                 if any(found["recompiled"].values()):
                     raise SystemExit(f"{name} {mode}: a worker compiled again while timed: {found['recompiled']}")
                 low, high = found["interval"]
-                line = (f"| {name} | {mode} | {found['steps']} | {found['pairs']} | {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
+                line = (f"| {name} | {mode} | {found['steps']} | {found['pairs']} "
+                        f"| {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
                         f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
                         f"| {found['rss']['base']:.0f} / {found['rss']['this']:.0f} |")
                 print(line, flush=True)
