@@ -42,7 +42,14 @@ def _demo(arguments: argparse.Namespace) -> int:
 
 
 def _inspect(arguments: argparse.Namespace) -> int:
-    print(describe(load_model(arguments.model)))
+    from onnxtrain._recipe.damage import detect
+
+    model = load_model(arguments.model)
+    print(describe(model))
+    findings = detect(model)
+    if findings:
+        print("export damage (make_training_model and finetune take repair=):")
+        print("\n".join(f"  {'note' if f.note else 'warning'}: {f.text()}" for f in findings))
     return 0
 
 
