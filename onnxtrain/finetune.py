@@ -125,9 +125,9 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
         freeze_batchnorm: keep BatchNormalization on its running statistics.
         max_programs: compiled programs kept per step, evaluation and inference program, as
             for Trainer.
-        repair: export-damage repairs to apply first ("lift_constants", "retie", "relax_batch",
-            "insert_batchnorm", or "all"), as for make_training_model; damage left is warned
-            about once.
+        repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
+            "relax_batch", "insert_batchnorm", or "all"), as for make_training_model; damage
+            left is warned about once.
 
     Returns:
         A FineTuner: step(), fit(), evaluate(), infer(), export(), checkpoints.

@@ -87,10 +87,10 @@ def make_training_model(
     (default: the first). label: the name of the label input the training step takes.
     train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
     become state) unless freeze_batchnorm. reinitialize: weights the initialization graph
-    redraws. repair: export-damage repairs to apply first, names from
-    onnxtrain._recipe.damage.REPAIRS or "all" ("lift_constants", "retie", "relax_batch",
-    "insert_batchnorm"); damage not repaired is warned about once. lift_folded_weights: the
-    same as repair={"lift_constants"}.
+    redraws. repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
+    "relax_batch", "insert_batchnorm", or "all"; see onnxtrain._recipe.damage.repair); damage
+    not repaired is warned about once. lift_folded_weights: the same as
+    repair={"lift_constants"}.
     """
     model = load_model(model)
     if model.training_info:

@@ -6,6 +6,8 @@ An exported inference model serves exactly as its source did, yet may train diff
 - exporters fold weights into Constant nodes, which then stay fixed;
 - the TorchScript exporter stores a tied weight twice (T5's embedding and its transposed
   output projection), so fine-tuning unties them;
+- both exporters merge weights that happen to hold equal values (fresh LayerNorm scales and
+  shifts, layer scales, zero biases) into one tensor, so fine-tuning ties them;
 - a model exported without dynamic axes takes only the batch size it was exported with;
 - eval-mode export removes Dropout.
 
@@ -35,8 +37,9 @@ from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_t
 
 # Float tensors at least this large look like weights (smaller ones are scalars, scales, eps).
 FOLDED_WEIGHT_SIZE = 64
-LIFT, RETIE, RELAX_BATCH, INSERT_BATCHNORM = "lift_constants", "retie", "relax_batch", "insert_batchnorm"
-REPAIRS = (LIFT, RETIE, RELAX_BATCH, INSERT_BATCHNORM)
+LIFT, RETIE, UNTIE, RELAX_BATCH, INSERT_BATCHNORM = (
+    "lift_constants", "retie", "untie", "relax_batch", "insert_batchnorm")
+REPAIRS = (LIFT, RETIE, UNTIE, RELAX_BATCH, INSERT_BATCHNORM)
 BATCH = "batch"
 NORMALIZATIONS = {"BatchNormalization", "InstanceNormalization", "LayerNormalization", "GroupNormalization",
                   "LpNormalization", "MeanVarianceNormalization", "RMSNormalization",
@@ -131,7 +134,7 @@ def detect(model: ModelProto) -> list[Finding]:
     graph = model.graph
     values = graph_initializers(graph)
     found = [_folded_batchnorm(graph, values), _folded_constants(graph), _duplicates(graph, values),
-             _fixed_batch(graph, values), _dropout_removed(graph)]
+             _merged(graph, values), _fixed_batch(graph, values), _dropout_removed(graph)]
     return [finding for finding in found if finding is not None]
 
 
@@ -215,6 +218,40 @@ def _duplicates(graph: GraphProto, values: dict[str, np.ndarray]) -> Finding | N
                    tuple(f"{copy} = {kept}{'ᵀ' if flipped else ''}" for kept, copy, flipped in pairs),
                    "Re-export with the dynamo exporter (torch.onnx.export(..., dynamo=True)), which keeps one "
                    "tensor.", RETIE)
+
+
+def merged_weights(graph: GraphProto, values: dict[str, np.ndarray] | None = None
+                   ) -> dict[str, list[tuple[NodeProto, int]]]:
+    """Initializer -> its uses (node, input index) for float vectors and tensors of one repeated
+    value that several nodes read, directly or through Identity nodes: what exporters make of
+    separate parameters that happened to be equal (TorchScript reads them through Identity
+    nodes named as the parameters were). Scalars are shared constants by nature and never count."""
+    values = graph_initializers(graph) if values is None else values
+    producers = _producers(graph)
+    uses: dict[str, list[tuple[NodeProto, int]]] = {}
+    for item in graph.node:
+        if _is(item, "Identity"):
+            continue
+        for index, name in enumerate(item.input):
+            root = name
+            while root not in values and root in producers and _is(producers[root], "Identity"):
+                root = producers[root].input[0]
+            value = values.get(root)
+            if value is not None and value.dtype in FLOATS and value.size >= 2:
+                uses.setdefault(root, []).append((item, index))
+    return {name: found for name, found in uses.items() if len(found) >= 2
+            and not (flat := values[name].ravel()).size - np.count_nonzero(flat == flat[0])}
+
+
+def _merged(graph: GraphProto, values: dict[str, np.ndarray]) -> Finding | None:
+    merged = merged_weights(graph, values)
+    if not merged:
+        return None
+    return Finding("merged_weights", "Weights that held equal values (fresh norm scales and shifts, layer "
+                   "scales, zero biases) were merged into one tensor; fine-tuning ties them",
+                   tuple(f"{name} x{len(uses)}" for name, uses in merged.items()),
+                   "Re-export with torch.onnx.export(..., dynamo=True, optimize=False), which keeps them apart.",
+                   UNTIE)
 
 
 def _data_inputs(graph: GraphProto, values: dict[str, np.ndarray]) -> list[ValueInfoProto]:
@@ -301,6 +338,8 @@ def repair(model: ModelProto, names: Iterable[str]) -> list[str]:
       initializers, so they train.
     - retie: a weight stored twice becomes one initializer; the copy is an Identity (or
       Transpose) of it, so both uses read one state variable and its gradient is their sum.
+    - untie: every use of a merged weight (see merged_weights) reads a copy of its own; a copy
+      read through TorchScript's Identity nodes takes that node's output name (the parameter's).
     - relax_batch: a fixed batch axis 0 of the inputs and outputs becomes the symbol "batch";
       Reshape shapes that bake the batch in get -1 there (and their other sizes fixed). The model is traced at
       another batch size first; if an output does not follow the batch, nothing changes.
@@ -323,6 +362,8 @@ def _repair(model: ModelProto, names: frozenset[str]) -> list[str]:
         done += [f"lifted Constant {name!r}" for name in lift_constants(model)]
     if RETIE in names:
         done += [f"tied {copy!r} to {kept!r}" for kept, copy, _ in retie(model)]
+    if UNTIE in names:
+        done += [f"untied {name!r}" for name in untie(model)]
     if RELAX_BATCH in names and fixed_batch(model.graph) is not None:
         done.append(f"relaxed batch size {relax_batch(model)}")
     if INSERT_BATCHNORM in names:
@@ -374,6 +415,34 @@ def retie(model: ModelProto) -> list[tuple[str, str, bool]]:
         del graph.node[:]
         graph.node.extend([*ties, *nodes])
     return pairs
+
+
+def untie(model: ModelProto) -> list[str]:
+    """Give every use of a merged weight (see merged_weights) a tensor of its own; the new names."""
+    graph = model.graph
+    values = graph_initializers(graph)
+    merged = merged_weights(graph, values)
+    producers, fresh = _producers(graph), Names(graph)
+    made, aliases = [], set()
+    for root, uses in merged.items():
+        root_kept = False
+        for item, index in uses:
+            name = item.input[index]
+            if name == root and not root_kept:
+                root_kept = True
+                continue
+            if name != root and name not in aliases:
+                # TorchScript named the Identity's output as the parameter: it becomes that tensor.
+                aliases.add(name)
+                graph.node.remove(producers[name])
+                target = name
+            else:
+                target = fresh(f"{name}.copy")
+            graph.initializer.append(numpy_to_tensor(values[root].copy(), target))
+            made.append(target)
+            item.input[index] = target
+    _prune(graph)
+    return made
 
 
 def _elem_dtype(value: ValueInfoProto) -> np.dtype:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 import onnxtrain
 from onnxtrain import BindingError, optim
@@ -236,11 +236,10 @@ def test_retied_t5_embedding_is_one_state_variable_with_the_summed_gradient():
 
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        retied = onnxtrain.make_training_model(exported, loss="mse", repair="retie")
+        retied = onnxtrain.make_training_model(exported, loss="mse", optimizer=optim.SGD(lr=0.1),
+                                               trainable=[kept], repair={"retie", "relax_batch"})
     assert not any("stored twice" in message for message in _damage_warnings(record))
     assert copy not in {t.name for t in retied.graph.initializer}
-    retied = onnxtrain.make_training_model(exported, loss="mse", optimizer=optim.SGD(lr=0.1), trainable=[kept],
-                                           repair={"retie", "relax_batch"})
     trainer = _with_gradients(retied)
     assert [name for name in trainer.state_names if name in (kept, copy)] == [kept]
     _close(trainer.step(feeds)[f"{kept}.grad"], tied_gradient)
@@ -253,6 +252,58 @@ def test_retied_t5_embedding_is_one_state_variable_with_the_summed_gradient():
     np.testing.assert_allclose(gradients[f"{kept}.grad"] + gradients[f"{copy}.grad"].T, tied_gradient,
                                rtol=1e-4, atol=1e-6)
     assert np.max(np.abs(gradients[f"{kept}.grad"] - tied_gradient)) > 1e-3
+
+
+# --- equal fresh parameters merged into one tensor by both exporters ----------------------------
+
+class _LayerScaled(nn.Module):
+    """Two pre-norm residual blocks with ConvNeXt-like layer scales: at initialization their
+    LayerNorm scales and shifts, layer scales and one zeroed bias hold equal values."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(8), nn.LayerNorm(8)])
+        self.linears = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.scales = nn.ParameterList([nn.Parameter(1e-1 * torch.ones(8)) for _ in range(2)])
+        with torch.no_grad():
+            self.linears[1].bias.zero_()
+
+    def forward(self, x):
+        for norm, linear, scale in zip(self.norms, self.linears, self.scales):
+            x = x + scale * linear(norm(x))
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_untied_merged_weights_train_as_the_separate_parameters_they_were(dynamo):
+    torch.manual_seed(0)
+    module = _LayerScaled()
+    x, target = torch.randn(BATCH, 8), torch.randn(BATCH, 8)
+    exported = _export(module, (x,), dynamo=dynamo, input_names=["x"])
+    merged = damage.merged_weights(load_model(exported).graph)
+    assert len(merged) >= 3 and "merged_weights" in _kinds(exported)
+    with pytest.warns(ExportDamageWarning, match="merged into one tensor"):
+        onnxtrain.make_training_model(exported, loss="mse")
+    training = onnxtrain.make_training_model(exported, loss="mse", optimizer=optim.SGD(lr=0.1),
+                                             repair={"untie", "relax_batch"})
+    assert damage.merged_weights(training.graph) == {}
+    out = _with_gradients(training).step({"x": x.numpy(), "labels": target.numpy()})
+    nn.functional.mse_loss(module.train()(x), target).backward()
+    nodes = {op: [n for n in training.graph.node if n.op_type == op] for op in ("LayerNormalization", "Gemm", "Mul")}
+    initializers = {t.name for t in training.graph.initializer}
+    checked = 0
+    for index in range(2):
+        norm, gemm = nodes["LayerNormalization"][index], nodes["Gemm"][index]
+        pairs = [(norm.input[1], module.norms[index].weight), (norm.input[2], module.norms[index].bias),
+                 (gemm.input[1], module.linears[index].weight),
+                 (next(name for name in nodes["Mul"][index].input if name in initializers), module.scales[index])]
+        if len(gemm.input) > 2:   # dynamo drops the zeroed bias altogether
+            pairs.append((gemm.input[2], module.linears[index].bias))
+        for name, parameter in pairs:
+            _close(out[f"{name}.grad"], parameter.grad.numpy())
+            checked += 1
+    assert checked >= 8
 
 
 # --- a fixed batch size (the TorchScript exporter without dynamic_axes) -----------------------
@@ -332,28 +383,7 @@ def test_lstm_zero_states_are_no_folded_weights_and_bake_the_batch_in():
         onnxtrain.make_training_model(exported, loss="mse", repair="relax_batch")
 
 
-# --- the folded-weight test itself, and the command line --------------------------------------
-
-@pytest.mark.parametrize("value, folded", [
-    (np.random.default_rng(0).normal(size=(4, 32)), True),
-    (np.zeros((4, 32)), False),                                   # a zero RNN state
-    (np.full((4, 32), -3.4e38), False),                           # a mask fill value
-    (np.triu(np.full((16, 16), -np.inf), 1), False),              # a causal mask
-    (np.tile([0.0, 1.0], 64), False),                             # a 0/1 mask
-    (np.random.default_rng(0).normal(size=16), False),            # too small for a weight
-])
-def test_only_weight_like_constants_count_as_folded_weights(value, folded):
-    item = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value.astype(np.float32)))
-    proto = onnxtrain.proto.NodeProto.FromString(item.SerializeToString())
-    assert (damage.folded_weight(proto) is not None) == folded
-
-
-def test_unknown_repair_names_are_refused():
-    with pytest.raises(BindingError, match="names no repair"):
-        damage.repair_names({"retie", "untie"})
-    assert damage.repair_names("all") == frozenset(damage.REPAIRS)
-    assert damage.repair_names(None, lift_folded_weights=True) == {"lift_constants"}
-
+# --- the command line ----------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_inspect_lists_the_damage(tmp_path: Path, capsys):
