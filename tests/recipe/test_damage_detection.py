@@ -36,7 +36,7 @@ def test_only_weight_like_constants_count_as_folded_weights(value, folded):
 
 def test_unknown_repair_names_are_refused():
     with pytest.raises(BindingError, match="names no repair"):
-        damage.repair_names({"retie", "untie"})
+        damage.repair_names({"retie", "refold"})
     assert damage.repair_names("all") == frozenset(damage.REPAIRS)
     assert damage.repair_names(None, lift_folded_weights=True) == {"lift_constants"}
 
