@@ -221,3 +221,17 @@ def test_untied_uses_get_tensors_of_their_own(through_identity, copy):
     assert [list(n.input) for n in model.graph.node] == [["x", "s"], ["h", copy]]
     assert damage.merged_weights(model.graph) == {}
     np.testing.assert_array_equal(onnxtrain.run(model, {"x": x})["y"], before)
+
+
+def test_make_training_command_repairs(tmp_path: Path, capsys):
+    from onnxtrain.cli import main
+
+    model = _two_scales(np.full(8, 0.5))
+    (tmp_path / "scaled.onnx").write_bytes(model.SerializeToString())
+    assert main(["inspect", str(tmp_path / "scaled.onnx")]) == 0
+    assert "warning: Weights that held equal values" in capsys.readouterr().out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportDamageWarning)
+        assert main(["make-training", str(tmp_path / "scaled.onnx"), "-o", str(tmp_path / "out.onnx"),
+                     "--loss", "mse", "--repair", "untie"]) == 0
+    assert {"s", "s.copy"} <= {t.name for t in load_model(tmp_path / "out.onnx").graph.initializer}
