@@ -138,11 +138,25 @@ def detect(model: ModelProto) -> list[Finding]:
     return [finding for finding in found if finding is not None]
 
 
+def folded_convolutions(graph: GraphProto) -> list[NodeProto]:
+    """The Conv nodes BatchNorm would follow in a torchvision-style CNN: all but those fed by
+    global pooling (squeeze-and-excitation blocks, classifier heads), which have none."""
+    producers = _producers(graph)
+
+    def pooled(name: str) -> bool:
+        item = producers.get(name)
+        while item is not None and item.op_type in ACTIVATIONS | {"Flatten", "Reshape", "Conv"}:
+            item = producers.get(item.input[0]) if item.input else None
+        return item is not None and item.op_type in {"GlobalAveragePool", "GlobalMaxPool", "ReduceMean"}
+
+    return [n for n in graph.node if _is(n, "Conv") and not pooled(n.input[0])]
+
+
 def _folded_batchnorm(graph: GraphProto, values: dict[str, np.ndarray]) -> Finding | None:
     """Convolutions in a net whose structure says BatchNorm was there and no normalization left:
     residual adds fed by convolutions (ResNet, MobileNetV2), grouped convolutions (MobileNet,
     EfficientNet, RegNet, ShuffleNet), or bias-free convolutions straight into an activation."""
-    convs = [n for n in graph.node if _is(n, "Conv")]
+    convs = folded_convolutions(graph)
     if len(convs) < 2 or any(n.op_type in NORMALIZATIONS for n in graph.node):
         return None
     users = _consumers(graph)
@@ -344,7 +358,7 @@ def repair(model: ModelProto, names: Iterable[str]) -> list[str]:
       Reshape shapes that bake the batch in get -1 there (and their other sizes fixed). The model is traced at
       another batch size first; if an output does not follow the batch, nothing changes.
     - insert_batchnorm: a BatchNormalization after every convolution detect() found BatchNorm
-      folded into. It starts as the identity in inference mode: running mean 0, running
+      folded into (not those fed by global pooling: squeeze-and-excitation blocks have none). It starts as the identity in inference mode: running mean 0, running
       variance 1 - epsilon, scale 1, and as shift the convolution's bias (moved out of the Conv),
       so inference outputs are unchanged. Training then normalizes with batch statistics and
       updates the running ones (momentum 0.9 in ONNX terms, torch's 0.1), as in the source.
@@ -536,17 +550,18 @@ def _resolve_initializer(name: str, producers: dict[str, NodeProto], values: dic
 
 
 def insert_batchnorm(model: ModelProto) -> list[str]:
-    """A BatchNormalization after every Conv of the main graph (see repair()); the Conv names."""
+    """A BatchNormalization after every Conv folded_convolutions() names (see repair()); their names."""
     graph = model.graph
     if default_opset(model) < 14:
         raise BindingError("insert_batchnorm needs ai.onnx opset 14 or newer (training-mode "
                            "BatchNormalization); the model imports an older one")
     values, producers = graph_initializers(graph), _producers(graph)
     fresh = Names(graph)
+    targets = {item.output[0] for item in folded_convolutions(graph)}
     nodes, done = [], []
     for item in graph.node:
         nodes.append(item)
-        if not _is(item, "Conv"):
+        if not item.output or item.output[0] not in targets:
             continue
         weight = values.get(item.input[1])
         if weight is None:

@@ -235,3 +235,24 @@ def test_make_training_command_repairs(tmp_path: Path, capsys):
         assert main(["make-training", str(tmp_path / "scaled.onnx"), "-o", str(tmp_path / "out.onnx"),
                      "--loss", "mse", "--repair", "untie"]) == 0
     assert {"s", "s.copy"} <= {t.name for t in load_model(tmp_path / "out.onnx").graph.initializer}
+
+
+def test_squeeze_and_excitation_convolutions_get_no_batchnorm():
+    """MobileNetV3/EfficientNet: x * HardSigmoid(Conv(Relu(Conv(GlobalAveragePool(x))))) has no
+    BatchNorm in the source, while the convolutions around it do."""
+    model = _conv_net(group=2)
+    graph = model.graph
+    se = [helper.make_node("GlobalAveragePool", ["y"], ["pooled"]),
+          helper.make_node("Conv", ["pooled", "se1"], ["s1"]), helper.make_node("Relu", ["s1"], ["s1r"]),
+          helper.make_node("Conv", ["s1r", "se2"], ["s2"]), helper.make_node("HardSigmoid", ["s2"], ["gate"]),
+          helper.make_node("Mul", ["y", "gate"], ["excited"])]
+    graph.node.extend(onnxtrain.proto.NodeProto.FromString(n.SerializeToString()) for n in se)
+    for name, shape in (("se1", (2, 4, 1, 1)), ("se2", (4, 2, 1, 1))):
+        tensor = numpy_helper.from_array(RNG.normal(size=shape).astype(np.float32), name)
+        graph.initializer.append(onnxtrain.proto.TensorProto.FromString(tensor.SerializeToString()))
+    graph.output[0].name = "excited"
+    assert [n.output[0] for n in damage.folded_convolutions(graph)] == ["c1", "c2"]
+    (finding,) = [f for f in damage.detect(model) if f.kind == "folded_batchnorm"]
+    assert finding.names == ("c1", "c2")
+    assert damage.repair(model, ["insert_batchnorm"]) == ["BatchNormalization after 'c1'",
+                                                         "BatchNormalization after 'c2'"]
