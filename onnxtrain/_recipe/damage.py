@@ -4,8 +4,9 @@ An exported inference model serves exactly as its source did, yet may train diff
 - torch.onnx (both exporters) folds BatchNorm into the preceding convolution, so fine-tuning
   runs without batch statistics;
 - exporters fold weights into Constant nodes, which then stay fixed;
-- the TorchScript exporter stores a tied weight twice (T5's embedding and its transposed
-  output projection), so fine-tuning unties them;
+- exporters store a tied weight twice (TorchScript: T5's embedding and its transposed output
+  projection; dynamo's optimizer: GPT-2's transposed output projection), so fine-tuning unties
+  them;
 - both exporters merge weights that happen to hold equal values (fresh LayerNorm scales and
   shifts, layer scales, zero biases) into one tensor, so fine-tuning ties them;
 - a model exported without dynamic axes takes only the batch size it was exported with;
@@ -230,8 +231,8 @@ def _duplicates(graph: GraphProto, values: dict[str, np.ndarray]) -> Finding | N
     return Finding("duplicated_weights", "Weights are stored twice with equal values (a tied weight the "
                    "exporter duplicated); fine-tuning unties them",
                    tuple(f"{copy} = {kept}{'ᵀ' if flipped else ''}" for kept, copy, flipped in pairs),
-                   "Re-export with the dynamo exporter (torch.onnx.export(..., dynamo=True)), which keeps one "
-                   "tensor.", RETIE)
+                   "Re-export with torch.onnx.export(..., dynamo=True, optimize=False), which keeps one "
+                   "tensor (TorchScript always stores a copy; dynamo's optimizer folds a transposed one).", RETIE)
 
 
 def merged_weights(graph: GraphProto, values: dict[str, np.ndarray] | None = None
