@@ -18,44 +18,13 @@ from onnxtrain import BindingError, optim
 from onnxtrain._io.model import load_model
 from onnxtrain._recipe import damage
 from onnxtrain._recipe.damage import ExportDamageWarning
-from onnxtrain.proto import ValueInfoProto
-
-@pytest.mark.parametrize("value, folded", [
-    (np.random.default_rng(0).normal(size=(4, 32)), True),
-    (np.zeros((4, 32)), False),                                   # a zero RNN state
-    (np.full((4, 32), -3.4e38), False),                           # a mask fill value
-    (np.triu(np.full((16, 16), -np.inf), 1), False),              # a causal mask
-    (np.tile([0.0, 1.0], 64), False),                             # a 0/1 mask
-    (np.random.default_rng(0).normal(size=16), False),            # too small for a weight
-])
-def test_only_weight_like_constants_count_as_folded_weights(value, folded):
-    item = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value.astype(np.float32)))
-    proto = onnxtrain.proto.NodeProto.FromString(item.SerializeToString())
-    assert (damage.folded_weight(proto) is not None) == folded
-
-
-def test_unknown_repair_names_are_refused():
-    with pytest.raises(BindingError, match="names no repair"):
-        damage.repair_names({"retie", "refold"})
-    assert damage.repair_names("all") == frozenset(damage.REPAIRS)
-    assert damage.repair_names(None, lift_folded_weights=True) == {"lift_constants"}
-
-
+from support.gradient_outputs import with_gradients
 
 RNG = np.random.default_rng(0)
 
 
-def _with_gradients(training) -> onnxtrain.Trainer:
-    """A Trainer whose steps also return every trained weight's gradient (as '<weight>.grad')."""
-    algorithm = training.training_info[0].algorithm
-    (gradient,) = [n for n in algorithm.node if n.op_type == "Gradient"]
-    algorithm.output.extend(ValueInfoProto(name=name) for name in gradient.output)
-    return onnxtrain.Trainer(training)
-
-
 def _damage_warnings(record) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, ExportDamageWarning)]
-
 
 
 def _graph_model(nodes, initializers, inputs, outputs, opset=17):
@@ -84,6 +53,27 @@ def _conv_net(residual=False, group=1, bias=True, normalization=False, opset=17)
         last = "a2"
     nodes.append(helper.make_node("Relu", [last], ["y"]))
     return _graph_model(nodes, weights, [("x", ["n", 4, 6, 6])], [("y", ["n", 4, 6, 6])], opset)
+
+
+@pytest.mark.parametrize("value, folded", [
+    (np.random.default_rng(0).normal(size=(4, 32)), True),
+    (np.zeros((4, 32)), False),                                   # a zero RNN state
+    (np.full((4, 32), -3.4e38), False),                           # a mask fill value
+    (np.triu(np.full((16, 16), -np.inf), 1), False),              # a causal mask
+    (np.tile([0.0, 1.0], 64), False),                             # a 0/1 mask
+    (np.random.default_rng(0).normal(size=16), False),            # too small for a weight
+])
+def test_only_weight_like_constants_count_as_folded_weights(value, folded):
+    item = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(value.astype(np.float32)))
+    proto = onnxtrain.proto.NodeProto.FromString(item.SerializeToString())
+    assert (damage.folded_weight(proto) is not None) == folded
+
+
+def test_unknown_repair_names_are_refused():
+    with pytest.raises(BindingError, match="names no repair"):
+        damage.repair_names({"retie", "refold"})
+    assert damage.repair_names("all") == frozenset(damage.REPAIRS)
+    assert damage.repair_names(None, lift_folded_weights=True) == {"lift_constants"}
 
 
 @pytest.mark.parametrize("options, folded", [
@@ -140,7 +130,7 @@ def test_retied_weights_train_as_one_with_the_summed_gradient():
     x = RNG.normal(size=(5, 8)).astype(np.float32)
     model = _matmuls(weight, weight.T)
     training = onnxtrain.make_training_model(model, loss="mse", optimizer=optim.SGD(lr=1.0), repair="retie")
-    trainer = _with_gradients(training)
+    trainer = with_gradients(training)
     assert "B" not in trainer.state_names and "A" in trainer.state_names
     gradient = trainer.step({"x": x, "labels": np.zeros((5, 8), np.float32)})["A.grad"]
     # y = x A Aᵀ and loss = mean(y²), so with g = dloss/dy = 2y / y.size the two uses of A

@@ -21,7 +21,7 @@ from onnxtrain import BindingError, optim
 from onnxtrain._io.model import load_model
 from onnxtrain._recipe import damage
 from onnxtrain._recipe.damage import ExportDamageWarning
-from onnxtrain.proto import ValueInfoProto
+from support.gradient_outputs import with_gradients
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -44,14 +44,6 @@ def _export(module, args, **options) -> bytes:
 
 def _damage_warnings(record) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, ExportDamageWarning)]
-
-
-def _with_gradients(training) -> onnxtrain.Trainer:
-    """A Trainer whose steps also return every trained weight's gradient (as '<weight>.grad')."""
-    algorithm = training.training_info[0].algorithm
-    (gradient,) = [n for n in algorithm.node if n.op_type == "Gradient"]
-    algorithm.output.extend(ValueInfoProto(name=name) for name in gradient.output)
-    return onnxtrain.Trainer(training)
 
 
 def _close(actual, expected, rtol=1e-5):
@@ -152,7 +144,7 @@ def test_inserted_batchnorm_keeps_inference_and_trains_on_batch_statistics():
                                                  repair={"insert_batchnorm", "relax_batch"})
     graph = training.graph
     assert [n.op_type for n in graph.node].count("BatchNormalization") == 3
-    trainer = _with_gradients(training)
+    trainer = with_gradients(training)
     session = onnxruntime.InferenceSession(folded, providers=["CPUExecutionProvider"])
     (served,) = session.run(None, {"x": x})
     np.testing.assert_allclose(trainer.infer({"x": x})[graph.output[0].name], served, rtol=1e-5, atol=1e-5)
@@ -240,7 +232,7 @@ def test_retied_t5_embedding_is_one_state_variable_with_the_summed_gradient():
                                                trainable=[kept], repair={"retie", "relax_batch"})
     assert not any("stored twice" in message for message in _damage_warnings(record))
     assert copy not in {t.name for t in retied.graph.initializer}
-    trainer = _with_gradients(retied)
+    trainer = with_gradients(retied)
     assert [name for name in trainer.state_names if name in (kept, copy)] == [kept]
     _close(trainer.step(feeds)[f"{kept}.grad"], tied_gradient)
 
@@ -248,7 +240,7 @@ def test_retied_t5_embedding_is_one_state_variable_with_the_summed_gradient():
     with pytest.warns(ExportDamageWarning, match="stored twice"):
         untied = onnxtrain.make_training_model(exported, loss="mse", optimizer=optim.SGD(lr=0.1),
                                                trainable=[kept, copy])
-    gradients = _with_gradients(untied).step(feeds)
+    gradients = with_gradients(untied).step(feeds)
     np.testing.assert_allclose(gradients[f"{kept}.grad"] + gradients[f"{copy}.grad"].T, tied_gradient,
                                rtol=1e-4, atol=1e-6)
     assert np.max(np.abs(gradients[f"{kept}.grad"] - tied_gradient)) > 1e-3
@@ -288,7 +280,7 @@ def test_untied_merged_weights_train_as_the_separate_parameters_they_were(dynamo
     training = onnxtrain.make_training_model(exported, loss="mse", optimizer=optim.SGD(lr=0.1),
                                              repair={"untie", "relax_batch"})
     assert damage.merged_weights(training.graph) == {}
-    out = _with_gradients(training).step({"x": x.numpy(), "labels": target.numpy()})
+    out = with_gradients(training).step({"x": x.numpy(), "labels": target.numpy()})
     nn.functional.mse_loss(module.train()(x), target).backward()
     nodes = {op: [n for n in training.graph.node if n.op_type == op] for op in ("LayerNormalization", "Gemm", "Mul")}
     initializers = {t.name for t in training.graph.initializer}
