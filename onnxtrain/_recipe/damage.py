@@ -162,8 +162,8 @@ def _folded_batchnorm(graph: GraphProto, values: dict[str, np.ndarray]) -> Findi
         return None
     users = _consumers(graph)
     conv_outputs = {n.output[0] for n in convs}
-    residual = any(_is(n, "Add") and len(n.input) == 2 and not set(n.input) & set(values)
-                   and set(n.input) & conv_outputs for n in graph.node)
+    residual = any(_is(n, "Add") and len(n.input) == 2 and not any(name in values for name in n.input)
+                   and any(name in conv_outputs for name in n.input) for n in graph.node)
     grouped = any(a.name == "group" and a.i > 1 for n in convs for a in n.attribute)
     bare = any(len(n.input) < 3 or not n.input[2] for n in convs
                if any(u.op_type in ACTIVATIONS for u in users.get(n.output[0], [])))
@@ -356,10 +356,13 @@ def repair(model: ModelProto, names: Iterable[str]) -> list[str]:
     - untie: every use of a merged weight (see merged_weights) reads a copy of its own; a copy
       read through TorchScript's Identity nodes takes that node's output name (the parameter's).
     - relax_batch: a fixed batch axis 0 of the inputs and outputs becomes the symbol "batch";
-      Reshape shapes that bake the batch in get -1 there (and their other sizes fixed). The model is traced at
-      another batch size first; if an output does not follow the batch, nothing changes.
+      a Reshape whose shape starts with the batch size gets -1 there (and the sizes it produced
+      for its other axes). Then the graph is traced at another batch size, and a batch of the
+      exported samples plus one more must answer as the original did for each sample; if not,
+      nothing changes.
     - insert_batchnorm: a BatchNormalization after every convolution detect() found BatchNorm
-      folded into (not those fed by global pooling: squeeze-and-excitation blocks have none). It starts as the identity in inference mode: running mean 0, running
+      folded into (not those fed by global pooling: squeeze-and-excitation blocks have none).
+      It starts as the identity in inference mode: running mean 0, running
       variance 1 - epsilon, scale 1, and as shift the convolution's bias (moved out of the Conv),
       so inference outputs are unchanged. Training then normalizes with batch statistics and
       updates the running ones (momentum 0.9 in ONNX terms, torch's 0.1), as in the source.
@@ -495,8 +498,9 @@ def relax_batch(model: ModelProto) -> int:
     """Make a fixed batch axis (see fixed_batch) the symbol "batch"; the old size.
 
     Raises:
-        BindingError: the graph bakes the batch size in where no rewrite is sound (a Reshape
-            or Expand to it, a fixed recurrent state), found by tracing another batch size.
+        BindingError: the graph bakes the batch size in where no rewrite is sound (an Expand
+            to it, a fixed recurrent state), found by tracing another batch size, or the
+            relaxed graph mixes samples (a leading Reshape size that only equalled the batch).
     """
     size = fixed_batch(model.graph)
     if size is None:
@@ -538,8 +542,40 @@ def relax_batch(model: ModelProto) -> int:
     if stuck:
         raise BindingError(f"relax_batch: outputs {stuck} keep batch size {size} when the inputs have {other}; "
                            "the graph bakes the batch size in, so re-export with a dynamic batch axis")
+    _check_samples_independent(model, relaxed, size)
     model.CopyFrom(relaxed)
     return size
+
+
+def _check_samples_independent(original: ModelProto, relaxed: ModelProto, size: int) -> None:
+    """Refuse unless the relaxed model, fed the exported batch plus a repeat of its first sample,
+    answers as the original does for each: a leading size that only looked like the batch (a
+    literal 2 in a Reshape of a batch of 2) would mix samples here."""
+    from onnxtrain.translate.model import TranslatedModel
+
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for value in _data_inputs(original.graph, graph_initializers(original.graph)):
+        dims = [d.dim_value if d.HasField("dim_value") else 1 for d in value.type.tensor_type.shape.dim]
+        dtype = _elem_dtype(value)
+        # Zeros are valid ids, indices and masks; floats get values that tell samples apart.
+        feeds[value.name] = (rng.normal(size=dims).astype(dtype) if dtype.kind == "f"
+                             else np.zeros(dims, dtype))
+    grown = {name: np.concatenate([value, value[:1]]) for name, value in feeds.items()}
+    key = jax.random.key(0)
+    with jax.enable_x64(True):
+        before = TranslatedModel(original, params=[])({}, feeds, key)
+        after = TranslatedModel(relaxed, params=[])({}, grown, key)
+    for value in relaxed.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        if not dims or dims[0].dim_param != BATCH:
+            continue
+        expected = np.asarray(before[value.name])
+        expected = np.concatenate([expected, expected[:1]])
+        if not np.allclose(np.asarray(after[value.name]), expected, rtol=1e-4, atol=1e-5, equal_nan=True):
+            raise BindingError(f"relax_batch: output {value.name!r} of a batch of {size + 1} differs from the "
+                               f"same samples in batches of {size}: the graph mixes samples or bakes the batch "
+                               "size in, so re-export with a dynamic batch axis")
 
 
 def _resolve_initializer(name: str, producers: dict[str, NodeProto], values: dict[str, np.ndarray]

@@ -246,3 +246,17 @@ def test_squeeze_and_excitation_convolutions_get_no_batchnorm():
     assert finding.names == ("c1", "c2")
     assert damage.repair(model, ["insert_batchnorm"]) == ["BatchNormalization after 'c1'",
                                                          "BatchNormalization after 'c2'"]
+
+
+def test_relax_batch_refuses_a_graph_that_would_mix_samples():
+    """Transpose then Reshape to [2, 4]: the leading 2 equals the batch size but is not the batch
+    axis; rewritten to -1, every shape still checks out at other sizes, but samples mix."""
+    shape = numpy_helper.from_array(np.array([2, 4], np.int64), "shape")
+    model = _graph_model([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+                          helper.make_node("Reshape", ["t", "shape"], ["y"])],
+                         {}, [("x", [2, 4])], [("y", [2, 4])])
+    model.graph.initializer.append(onnxtrain.proto.TensorProto.FromString(shape.SerializeToString()))
+    before = model.SerializeToString()
+    with pytest.raises(BindingError, match="mixes samples"):
+        damage.repair(model, ["relax_batch"])
+    assert model.SerializeToString() == before
