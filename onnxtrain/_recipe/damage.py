@@ -150,7 +150,8 @@ def folded_convolutions(graph: GraphProto) -> list[NodeProto]:
             item = producers.get(item.input[0]) if item.input else None
         return item is not None and item.op_type in {"GlobalAveragePool", "GlobalMaxPool", "ReduceMean"}
 
-    return [n for n in graph.node if _is(n, "Conv") and not pooled(n.input[0])]
+    # Malformed Conv nodes (fewer than two inputs, no output) are left to graph validation.
+    return [n for n in graph.node if _is(n, "Conv") and len(n.input) >= 2 and n.output and not pooled(n.input[0])]
 
 
 def _folded_batchnorm(graph: GraphProto, values: dict[str, np.ndarray]) -> Finding | None:
@@ -249,7 +250,8 @@ def merged_weights(graph: GraphProto, values: dict[str, np.ndarray] | None = Non
             continue
         for index, name in enumerate(item.input):
             root = name
-            while root not in values and root in producers and _is(producers[root], "Identity"):
+            while root not in values and root in producers and _is(producers[root], "Identity") \
+                    and producers[root].input:
                 root = producers[root].input[0]
             value = values.get(root)
             if value is not None and value.dtype in FLOATS and value.size >= 2:
@@ -581,7 +583,7 @@ def _check_samples_independent(original: ModelProto, relaxed: ModelProto, size: 
 def _resolve_initializer(name: str, producers: dict[str, NodeProto], values: dict[str, np.ndarray]
                          ) -> np.ndarray | None:
     """The initializer behind `name`, through Identity nodes (TorchScript shares equal biases so)."""
-    while name not in values and name in producers and _is(producers[name], "Identity"):
+    while name not in values and name in producers and _is(producers[name], "Identity") and producers[name].input:
         name = producers[name].input[0]
     return values.get(name)
 

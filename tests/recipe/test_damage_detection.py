@@ -260,3 +260,11 @@ def test_relax_batch_refuses_a_graph_that_would_mix_samples():
     with pytest.raises(BindingError, match="mixes samples"):
         damage.repair(model, ["relax_batch"])
     assert model.SerializeToString() == before
+
+
+def test_detection_leaves_malformed_nodes_to_graph_validation():
+    model = _conv_net(residual=True)
+    model.graph.node.append(onnxtrain.proto.NodeProto(op_type="Conv", output=["broken"]))
+    model.graph.node.append(onnxtrain.proto.NodeProto(op_type="Identity", output=["alias"]))
+    model.graph.node.append(onnxtrain.proto.NodeProto(op_type="Mul", input=["alias", "alias"], output=["m"]))
+    assert "folded_batchnorm" in {f.kind for f in damage.detect(model)}
