@@ -613,7 +613,7 @@ def insert_batchnorm(model: ModelProto) -> list[str]:
             if bias is not None:
                 shift = bias.astype(weight.dtype)
                 del item.input[2]
-        prefix = item.input[1].removesuffix(".weight")
+        prefix = _module_name(item)
         parameters = {"weight": np.ones(channels, weight.dtype), "bias": shift,
                       "running_mean": np.zeros(channels, weight.dtype),
                       "running_var": np.full(channels, 1 - BN_EPSILON, weight.dtype)}
@@ -636,6 +636,15 @@ def _read_names(graph: GraphProto) -> set[str]:
     """Every name a node of `graph` or of its subgraphs reads, and the graph's outputs."""
     return {name for inner, _ in iter_graph_tree(graph, "") for item in inner.node for name in item.input} | {
         v.name for v in graph.output}
+
+
+def _module_name(conv: NodeProto) -> str:
+    """The torch module a Conv came from: its weight's name less '.weight', or for TorchScript's
+    computed weights ('onnx::Conv_35') the node's scope ('/block/c1/Conv' -> 'block.c1')."""
+    weight = conv.input[1]
+    if weight.startswith("onnx::") and conv.name.startswith("/") and conv.name.count("/") > 1:
+        return conv.name.strip("/").rsplit("/", 1)[0].replace("/", ".")
+    return weight.removesuffix(".weight")
 
 
 def _prune(graph: GraphProto) -> None:

@@ -268,3 +268,13 @@ def test_detection_leaves_malformed_nodes_to_graph_validation():
     model.graph.node.append(onnxtrain.proto.NodeProto(op_type="Identity", output=["alias"]))
     model.graph.node.append(onnxtrain.proto.NodeProto(op_type="Mul", input=["alias", "alias"], output=["m"]))
     assert "folded_batchnorm" in {f.kind for f in damage.detect(model)}
+
+
+def test_inserted_batchnorm_is_named_after_the_torch_module():
+    model = _conv_net(residual=True)
+    graph = model.graph
+    graph.node[0].name, graph.node[2].name = "/block/c1/Conv", "/block/c2/Conv"
+    graph.node[2].input[1] = graph.initializer[1].name = "onnx::Conv_7"   # TorchScript's computed weight
+    damage.repair(model, ["insert_batchnorm"])
+    names = {t.name for t in graph.initializer}
+    assert {"w1.bn.weight", "w1.bn.running_var", "block.c2.bn.bias", "block.c2.bn.running_mean"} <= names
