@@ -20,6 +20,7 @@ from onnxtrain._engine.placement import ShardingAnnotationWarning
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
 from onnxtrain._recipe.builder import make_training_model
+from onnxtrain._recipe.damage import ExportDamageWarning
 from onnxtrain.finetune import FineTuner, finetune
 from onnxtrain.inference import run, translate_model
 from onnxtrain.trainer import Trainer
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BindingError",
+    "ExportDamageWarning",
     "ExportError",
     "FineTuner",
     "InputError",

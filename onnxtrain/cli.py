@@ -2,7 +2,7 @@
 
     onnxtrain demo                      fine-tune the bundled exported CNN on the bundled digits
     onnxtrain inspect MODEL             graphs, opsets, state, bindings, unsupported ops
-    onnxtrain make-training MODEL -o OUT --loss cross_entropy --optimizer adam --lr 1e-3
+    onnxtrain make-training MODEL -o OUT --loss cross_entropy --optimizer adam --lr 1e-3 [--repair R]
     onnxtrain train MODEL --data D.npz --epochs 3 -o OUT [--inference-out SERVE.onnx]
     onnxtrain export MODEL [--checkpoint C] -o OUT   (an inference model for ONNX Runtime)
 
@@ -21,6 +21,7 @@ import numpy as np
 from onnxtrain.errors import InputError, OnnxTrainError
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
+from onnxtrain._recipe.damage import REPAIRS, detect
 
 DEMO_MODEL = "mlp_classifier.onnx"
 FINETUNE_DEMO_MODEL = "digits_cnn.onnx"
@@ -42,7 +43,12 @@ def _demo(arguments: argparse.Namespace) -> int:
 
 
 def _inspect(arguments: argparse.Namespace) -> int:
-    print(describe(load_model(arguments.model)))
+    model = load_model(arguments.model)
+    print(describe(model))
+    findings = detect(model)
+    if findings:
+        print("export damage (make_training_model and finetune take repair=):")
+        print("\n".join(f"  {'note' if f.note else 'warning'}: {f.text()}" for f in findings))
     return 0
 
 
@@ -54,7 +60,7 @@ def _make_training(arguments: argparse.Namespace) -> int:
                  "adagrad": optim.Adagrad}[arguments.optimizer](lr=arguments.lr)
     model = make_training_model(arguments.model, loss=arguments.loss, output=arguments.output,
                                 optimizer=optimizer, label=arguments.label,
-                                freeze_batchnorm=arguments.freeze_batchnorm)
+                                freeze_batchnorm=arguments.freeze_batchnorm, repair=arguments.repair)
     save_model(model, arguments.out)
     print(f"wrote {arguments.out}: {optimizer.op_type} on {len(model.training_info[0].update_binding)} "
           f"state variables, label input {arguments.label!r}")
@@ -127,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--output", help="the model output the loss reads (default: the first)")
     make.add_argument("--label", default="labels", help="name of the label input (default: labels)")
     make.add_argument("--freeze-batchnorm", action="store_true", help="keep BatchNorm statistics fixed")
+    make.add_argument("--repair", action="append", choices=(*REPAIRS, "all"),
+                      help="undo export damage `inspect` lists (repeatable)")
     make.set_defaults(run=_make_training)
     train = commands.add_parser("train", help="run a training model's recipe over data in an .npz file")
     train.add_argument("model")

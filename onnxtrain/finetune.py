@@ -10,7 +10,7 @@ is the Trainer's.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -25,6 +25,7 @@ from onnxtrain._engine.placement import placement
 from onnxtrain._engine.programs import InferenceProgram
 from onnxtrain._io.export import without_payloads
 from onnxtrain._io.model import ModelSource, load_model
+from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.objective import Trainable, objective, trainable_names
 from onnxtrain.errors import BindingError, ExportError
 from onnxtrain.fitting import Batches, Callback
@@ -51,12 +52,13 @@ class FineTuner(Core):
                  optimizer: optax.GradientTransformation, output: str | None = None, trainable: Trainable = None,
                  label: str = "labels", seed: int = 0, mesh: Mesh | None = None, nan_policy: str = "raise",
                  train_mode: bool = True, freeze_batchnorm: bool = False,
-                 max_programs: int = DEFAULT_MAX_PROGRAMS):
+                 max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None):
         """See finetune()."""
         check_policy(nan_policy)
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         model = load_model(model)
+        prepare(model, repair, "finetune")
         names = trainable_names(model, trainable)
         if not names:
             raise BindingError("no trainable weights: the model has no float initializers to train "
@@ -103,7 +105,7 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
              optimizer: optax.GradientTransformation | None = None, *, output: str | None = None,
              trainable: Trainable = None, label: str = "labels", seed: int = 0, mesh: Mesh | None = None,
              nan_policy: str = "raise", train_mode: bool = True, freeze_batchnorm: bool = False,
-             max_programs: int = DEFAULT_MAX_PROGRAMS) -> FineTuner:
+             max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None) -> FineTuner:
     """A FineTuner that trains `model`'s weights with an optax optimizer.
 
     Args:
@@ -123,6 +125,9 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
         freeze_batchnorm: keep BatchNormalization on its running statistics.
         max_programs: compiled programs kept per step, evaluation and inference program, as
             for Trainer.
+        repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
+            "relax_batch", "insert_batchnorm", or "all"), as for make_training_model; damage
+            left is warned about once.
 
     Returns:
         A FineTuner: step(), fit(), evaluate(), infer(), export(), checkpoints.
@@ -141,4 +146,4 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
 
         optimizer = optax.adam(1e-3)
     return FineTuner(model, loss, optimizer, output, trainable, label, seed, mesh, nan_policy, train_mode,
-                     freeze_batchnorm, max_programs)
+                     freeze_batchnorm, max_programs, repair)

@@ -15,51 +15,22 @@ The main graph stays the inference graph, so ONNX Runtime serves the exported mo
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from onnxtrain._io.model import ModelSource, load_model
+from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.objective import FLOATS, Names, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
 from onnxtrain.errors import BindingError
 from onnxtrain.optim import Adam, Optimizer
-from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, TrainingInfoProto
+from onnxtrain.proto import GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto
 from onnxtrain.proto.make import bindings, node, opset, tensor_value_info
 from onnxtrain.translate.graph import graph_initializers
-from onnxtrain.translate.registry import TRAINING_DOMAIN, normalize_domain
-from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor, tensor_to_numpy
-
-# Float Constant nodes at least this large look like weights an exporter folded.
-FOLDED_WEIGHT_SIZE = 64
-
-
-def lift_constants(model: ModelProto, min_size: int = FOLDED_WEIGHT_SIZE) -> list[str]:
-    """Turn large float Constant nodes of the main graph into initializers; their names."""
-    lifted, kept = [], []
-    for item in model.graph.node:
-        value = _folded_weight(item, min_size)
-        if value is None:
-            kept.append(item)
-            continue
-        model.graph.initializer.append(numpy_to_tensor(value, item.output[0]))
-        lifted.append(item.output[0])
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
-    return lifted
-
-
-def _folded_weight(item: NodeProto, min_size: int) -> np.ndarray | None:
-    if item.op_type != "Constant" or normalize_domain(item.domain) != "" or len(item.attribute) != 1:
-        return None
-    attribute = item.attribute[0]
-    if attribute.name != "value":
-        return None
-    value = tensor_to_numpy(attribute.t, f"Constant {item.output[0]!r}")
-    return value if value.dtype in FLOATS and value.size >= min_size else None
-
+from onnxtrain.translate.registry import TRAINING_DOMAIN
+from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor
 
 def _zeros(name: str, like: np.ndarray) -> SparseTensorProto:
     """An all-zero initializer as a sparse tensor with no entries: optimizer slots start at zero,
@@ -107,6 +78,7 @@ def make_training_model(
     freeze_batchnorm: bool = False,
     reinitialize: Iterable[str] = (),
     lift_folded_weights: bool = False,
+    repair: Iterable[str] | str | None = None,
 ) -> ModelProto:
     """A copy of `model` with a standard TrainingInfoProto (see the module docstring).
 
@@ -115,20 +87,17 @@ def make_training_model(
     (default: the first). label: the name of the label input the training step takes.
     train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
     become state) unless freeze_batchnorm. reinitialize: weights the initialization graph
-    redraws. lift_folded_weights: turn large float Constant nodes into trainable weights.
+    redraws. repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
+    "relax_batch", "insert_batchnorm", or "all"; see onnxtrain._recipe.damage.repair); damage
+    not repaired is warned about once. lift_folded_weights: the same as
+    repair={"lift_constants"}.
     """
     model = load_model(model)
     if model.training_info:
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
     optimizer = optimizer or Adam()
-    folded = [n.output[0] for n in model.graph.node if _folded_weight(n, FOLDED_WEIGHT_SIZE) is not None]
-    if lift_folded_weights:
-        lift_constants(model)
-    elif folded:
-        warnings.warn(f"Constant nodes {folded[:5]}{' ...' if len(folded) > 5 else ''} hold large float "
-                      "tensors that look like weights an exporter folded; they stay fixed. Pass "
-                      "lift_folded_weights=True to train them.", stacklevel=2)
+    prepare(model, repair, "make_training_model", lift_folded_weights)
     weights = trainable_names(model, trainable)
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
