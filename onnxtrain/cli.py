@@ -42,8 +42,23 @@ def _demo(arguments: argparse.Namespace) -> int:
 
 
 def _inspect(arguments: argparse.Namespace) -> int:
-    print(describe(load_model(arguments.model)))
+    model = load_model(arguments.model)
+    print(describe(model))
+    if not model.training_info:
+        print(_trainable_section(model))
     return 0
+
+
+def _trainable_section(model) -> str:
+    """What make_training_model and finetune would train by default, and what they leave out."""
+    from onnxtrain._recipe.trainable import trainable_set
+
+    chosen = trainable_set(model)
+    total = len(chosen.weights) + len(chosen.left_out)
+    lines = [f"default trainable set: {len(chosen.weights)} of {total} float initializers"
+             + ("; left out:" if chosen.left_out else "")]
+    lines += [f"    {name}: {reason}" for name, reason in chosen.left_out.items()]
+    return "\n".join(lines)
 
 
 def _make_training(arguments: argparse.Namespace) -> int:
