@@ -10,13 +10,15 @@ by how the forward pass *consumes* each initializer, never by its name:
   Reshape, Unsqueeze, Expand, Concat, ...) to the nodes that compute with it;
 - a use is a **weight** use where the op multiplies, convolves, normalizes or embeds with it
   (MatMul, Gemm, Conv, Gather data, normalization scale and bias, RNN weights, ...), where it
-  is a bias added to such a product, or where it is an operand of wider elementwise
+  is a bias (along one axis) added to such a product, or where it is an operand of wider elementwise
   arithmetic (position embeddings, layer scales, bias vectors);
 - a use is **not** a weight use where it is an exponent, a Clip bound, a Dropout ratio, a
   padding value, a comparison operand, a shape or axes operand, a BatchNorm running
   statistic, an all-zero RNN initial state, or only its shape is read; a single-element
-  operand of elementwise arithmetic is a scale, epsilon or fill value; a tensor holding a
-  value of magnitude 1e30 or more (or Inf/NaN) is a mask or fill value wherever it goes.
+  operand of elementwise arithmetic is a scale, epsilon or fill value, and an all-zero one
+  with two or more axes longer than one is a folded mask; a tensor holding a value of
+  magnitude 1e30 or more (or Inf/NaN), or only zeros and one value of magnitude 1e3 or
+  more, is a mask or fill value wherever it goes.
 
 An initializer is a weight when any of its uses is a weight use (an exporter that merges
 equal tensors may share one between a weight and a constant role).
@@ -72,6 +74,8 @@ _ONLY_SHAPE = {"Shape", "Size", "EyeLike", "ConstantOfShape"}
 _COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf", "Sign"}
 # A value this large or larger is a mask or fill value (float32's lowest, -inf stand-ins), never a weight.
 _FILL_MAGNITUDE = 1e30
+# Zeros and one value at least this large make a two-valued additive mask.
+_MASK_MAGNITUDE = 1e3
 
 
 @dataclass(frozen=True)
@@ -168,11 +172,28 @@ def _role(use: _Use, value: np.ndarray, static: set[str], producers: Mapping[str
         return f"operand of {op_type}"
     if index in _WEIGHT_POSITIONS.get(op_type, ()) or (op_type in _TABLE_READERS and index == 0):
         return None
-    if op_type in ("Add", "Sub") and _fed_by_product(item, index, producers):
-        return None
+    long_axes = sum(size > 1 for size in value.shape)
+    if op_type in ("Add", "Sub") and long_axes <= 1 and _fed_by_product(item, index, producers):
+        return None  # a bias runs along one axis; a mask added to attention scores spans two
     if value.size <= 1:
         return f"scalar constant of {op_type}"
+    if long_axes >= 2 and not value.any():
+        # An exporter folds an attention mask without padding into zeros of the scores' shape.
+        return f"all-zero mask of {op_type}"
     return None
+
+
+def _is_mask(value: np.ndarray) -> bool:
+    """A value of magnitude _FILL_MAGNITUDE or more (or Inf/NaN) anywhere, or zeros and one
+    large value (an additive mask written with -10000 or the like)."""
+    if value.size == 0:
+        return False
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(value.astype(np.float64))
+    if not np.all(magnitude < _FILL_MAGNITUDE):
+        return True
+    filled = value[value != 0]
+    return 0 < filled.size < value.size and bool(np.all(filled == filled.flat[0])) and magnitude.max() >= _MASK_MAGNITUDE
 
 
 def trainable_set(model: ModelProto) -> TrainableSet:
@@ -214,9 +235,7 @@ def _reason(name: str, value: np.ndarray, static: set[str], uses: Mapping[str, l
     reached = list(_reached(name, uses))
     if not reached:
         return "no node computes with it"
-    with np.errstate(invalid="ignore"):
-        extreme = value.size and not np.all(np.abs(value.astype(np.float64)) < _FILL_MAGNITUDE)
-    if extreme:
+    if _is_mask(value):
         return "mask or fill value"
     reasons = [_role(use, value, static, producers) for use in reached]
     if any(reason is None for reason in reasons):

@@ -87,6 +87,22 @@ def test_attention_scale_and_mask_fill_values_are_left_out():
                                "zero": "operand of Less", "fill": "scalar constant of Where"}
 
 
+def test_folded_masks_are_left_out_and_biases_are_not():
+    """Masks added to attention scores (a MatMul product): all zeros (no padding) and zeros
+    with -10000 are masks; a bias along the last axis, even all zeros, is a weight."""
+    old_style = np.zeros((2, 1, 3, 3), np.float32)
+    old_style[..., 2] = -10000.0
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["scores"]),
+             helper.make_node("Add", ["scores", "no_padding"], ["a"]),
+             helper.make_node("Add", ["a", "old_style"], ["b"]),
+             helper.make_node("Add", ["b", "zero_bias"], ["y"])]
+    chosen = trainable_set(_model(nodes, {"k": _f32(2, 1, 4, 3), "no_padding": np.zeros((2, 1, 3, 3), np.float32),
+                                          "old_style": old_style, "zero_bias": np.zeros((1, 1, 1, 3), np.float32)},
+                                  inputs=(("q", [2, 1, 3, 4]),)))
+    assert chosen.weights == ["k", "zero_bias"]
+    assert chosen.left_out == {"no_padding": "all-zero mask of Add", "old_style": "mask or fill value"}
+
+
 def test_vectors_and_biases_are_weights_even_of_size_one():
     """A Linear(n, 1) bias is one element but a weight: it is added to a MatMul's product
     (here through a Reshape). A position embedding and a layer scale are wider elementwise
