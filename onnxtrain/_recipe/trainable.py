@@ -26,7 +26,6 @@ equal tensors may share one between a weight and a constant role).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -38,15 +37,13 @@ from onnxtrain.translate.model import static_input_names
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.proto.walk import iter_graph_tree
 
-logger = logging.getLogger("onnxtrain")
-
 FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
 
 # Ops whose first input reaches their output unchanged in value (moved, retyped, repeated or
 # joined with others): the role of an initializer is decided where it is computed with.
 _PASS_THROUGH_FIRST = {"Cast", "CastLike", "Identity", "Transpose", "Reshape", "Unsqueeze", "Squeeze",
                        "Expand", "Flatten", "Tile", "Slice", "Split", "DepthToSpace", "SpaceToDepth"}
-_PASS_THROUGH_ALL = {"Concat", "Sequence", "SequenceConstruct"}
+_PASS_THROUGH_ALL = {"Concat", "SequenceConstruct"}
 # (op, input positions) that hold weights whatever their size.
 _WEIGHT_POSITIONS: dict[str, tuple[int, ...]] = {
     "MatMul": (0, 1), "Gemm": (0, 1, 2), "Conv": (1, 2), "ConvTranspose": (1, 2), "Einsum": tuple(range(16)),
@@ -54,8 +51,8 @@ _WEIGHT_POSITIONS: dict[str, tuple[int, ...]] = {
     "GroupNormalization": (1, 2), "RMSNormalization": (1,), "SimplifiedLayerNormalization": (1,),
     "SkipLayerNormalization": (2, 3, 4), "SkipSimplifiedLayerNormalization": (2, 3),
     "EmbedLayerNormalization": (2, 3, 4, 5, 6), "PRelu": (1,), "LSTM": (1, 2, 3, 7), "GRU": (1, 2, 3),
-    "RNN": (1, 2, 3), "FusedMatMul": (0, 1), "Attention": (1, 2), "MultiHeadAttention": (1, 2, 3),
-    "FastGelu": (1,), "BiasGelu": (1,), "BiasAdd": (1, 2), "BiasSplitGelu": (1,),
+    "RNN": (1, 2, 3), "FusedMatMul": (0, 1), "Attention": (1, 2), "MultiHeadAttention": (3,),
+    "FastGelu": (1,), "BiasGelu": (1,), "BiasAdd": (1,), "BiasSplitGelu": (1,),
 }
 # Gather-like ops read a weight table at input 0 (an embedding); the table is a weight.
 _TABLE_READERS = {"Gather", "GatherElements", "GatherND"}
@@ -71,7 +68,7 @@ _CONSTANT_POSITIONS: dict[str, tuple[tuple[int, ...], str]] = {
     "Range": ((0, 1, 2), "bound of Range"),
 }
 _ONLY_SHAPE = {"Shape", "Size", "EyeLike", "ConstantOfShape"}
-_COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf", "Sign"}
+_COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf"}
 # A value this large or larger is a mask or fill value (float32's lowest, -inf stand-ins), never a weight.
 _FILL_MAGNITUDE = 1e30
 # Zeros and one value at least this large make a two-valued additive mask.
