@@ -45,11 +45,25 @@ def _demo(arguments: argparse.Namespace) -> int:
 def _inspect(arguments: argparse.Namespace) -> int:
     model = load_model(arguments.model)
     print(describe(model))
+    if not model.training_info:
+        print(_trainable_section(model))
     findings = detect(model)
     if findings:
         print("export damage (make_training_model and finetune take repair=):")
         print("\n".join(f"  {'note' if f.note else 'warning'}: {f.text()}" for f in findings))
     return 0
+
+
+def _trainable_section(model) -> str:
+    """What make_training_model and finetune would train by default, and what they leave out."""
+    from onnxtrain._recipe.trainable import trainable_set
+
+    chosen = trainable_set(model)
+    total = len(chosen.weights) + len(chosen.left_out)
+    lines = [f"default trainable set: {len(chosen.weights)} of {total} float initializers"
+             + ("; left out:" if chosen.left_out else "")]
+    lines += [f"    {name}: {reason}" for name, reason in chosen.left_out.items()]
+    return "\n".join(lines)
 
 
 def _make_training(arguments: argparse.Namespace) -> int:

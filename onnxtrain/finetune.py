@@ -115,7 +115,8 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
         optimizer: any optax GradientTransformation (default: optax.adam(1e-3)).
         output: which model output is the prediction (default: the first).
         trainable: names of float initializers to train, or a predicate (name, value) -> bool
-            (default: every float initializer but shapes and BatchNorm statistics).
+            (default: the weights; exporter constants such as exponents, scales, fill values
+            and zero RNN states stay fixed, see onnxtrain._recipe.trainable).
         label: the name of the label feed.
         seed: the PRNG seed (Dropout).
         mesh: train data-parallel on this jax.sharding.Mesh, as Trainer(mesh=...) does.

@@ -54,7 +54,18 @@ def _names(spec: NodeSpec) -> tuple[list[str], list[str], str]:
             raise _error(spec, f"attribute {attribute!r} must list tensor names (type STRINGS), not {names!r}")
     if not isinstance(y, str):
         raise _error(spec, f"attribute 'y' must name the tensor to differentiate (type STRING), not {y!r}")
-    return list(xs), list(zs), y
+    return _unaliased(spec, list(xs)), list(zs), y
+
+
+def _unaliased(spec: NodeSpec, xs: list[str]) -> list[str]:
+    """pytorch-pfn-extras (Gradient in ai.onnx.preview) names each x by an Identity copy of
+    the node's input that y does not read; it means the input itself."""
+    if spec.proto.domain != "ai.onnx.preview":
+        return xs
+    copies = {n.proto.output[0]: n.proto.input[0] for n in spec.graph.nodes
+              if n.proto.op_type == "Identity" and n.proto.input and n.proto.output}
+    inputs = list(spec.proto.input)
+    return [inputs[i] if i < len(inputs) and copies.get(x) == inputs[i] else x for i, x in enumerate(xs)]
 
 
 def _slice_of(spec: NodeSpec) -> _Slice:

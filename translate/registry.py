@@ -8,12 +8,17 @@ opset bump in ONNX costs nothing unless the op's semantics changed.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 DEFAULT_DOMAIN = ""
 ML_DOMAIN = "ai.onnx.ml"
 TRAINING_DOMAIN = "ai.onnx.preview.training"
+# Ops written in a domain other than their own by a known exporter: pytorch-pfn-extras
+# (ppe.onnx.grad) emits Gradient in ai.onnx.preview, and its upstream fix is unmerged.
+_DOMAIN_ALIASES = {("ai.onnx.preview", "Gradient"): TRAINING_DOMAIN}
 
 
 def normalize_domain(domain: str) -> str:
@@ -77,10 +82,23 @@ def op(
 
 
 def resolve(domain: str, op_type: str, opset_version: int) -> OpHandler | None:
-    """The newest handler with since_version <= opset_version, or None."""
-    versions = _HANDLERS.get((normalize_domain(domain), op_type), [])
+    """The newest handler with since_version <= opset_version, or None.
+
+    An op in an aliased domain (Gradient in ai.onnx.preview) resolves to its own domain's
+    handler, at the version the model imports for the domain it wrote."""
+    domain = normalize_domain(domain)
+    if (domain, op_type) in _DOMAIN_ALIASES and (domain, op_type) not in _HANDLERS:
+        domain = _DOMAIN_ALIASES[domain, op_type]
+        _log_alias(op_type, domain)
+    versions = _HANDLERS.get((domain, op_type), [])
     usable = [h for h in versions if h.since_version <= opset_version]
     return usable[-1] if usable else None
+
+
+@functools.cache
+def _log_alias(op_type: str, domain: str) -> None:
+    logging.getLogger("onnxtrain").info("reading %s of domain ai.onnx.preview (as pytorch-pfn-extras writes it) "
+                                        "as %s::%s", op_type, domain, op_type)
 
 
 def registered() -> dict[tuple[str, str], list[int]]:

@@ -9,12 +9,14 @@ each step) and Dropout is active in both, unless the caller asks otherwise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from onnxtrain._recipe.losses import BUILT_IN, inline_loss_graph, label_input
+from onnxtrain._recipe.trainable import FLOATS, trainable_set
 from onnxtrain.errors import BindingError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
 from onnxtrain.proto.make import attribute, node
@@ -23,7 +25,7 @@ from onnxtrain.translate.model import static_input_names
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.tensors import numpy_to_tensor
 
-FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+logger = logging.getLogger("onnxtrain")
 Trainable = Iterable[str] | Callable[[str, np.ndarray], bool] | None
 
 
@@ -53,22 +55,41 @@ def _batchnorm_statistics(graph: GraphProto) -> set[str]:
             if len(n.input) > i}
 
 
-def trainable_names(model: ModelProto, trainable: Trainable = None) -> list[str]:
-    """Float initializers to train: all (default) but shapes and BatchNorm statistics, or those
-    named, or those a predicate(name, value) accepts."""
+def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = True) -> list[str]:
+    """The float initializers to train.
+
+    Args:
+        model: the inference model.
+        trainable: None for the default set (the weights trainable_set finds: exporter
+            constants such as exponents, scales, fill values and zero RNN states stay
+            fixed), names of float initializers (any, constants included), or a predicate
+            (name, value) -> bool over the float initializers.
+        log: log the chosen set (one INFO line on logger "onnxtrain").
+
+    Returns:
+        The names, in initializer order for the default set and predicates.
+
+    Raises:
+        BindingError: a name that is not a float initializer of the main graph, or one that
+            is a shape operand or a BatchNorm running statistic (neither can be trained).
+    """
     values = graph_initializers(model.graph)
     opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
     excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
     candidates = [n for n, v in values.items() if v.dtype in FLOATS and n not in excluded]
     if trainable is None:
-        return candidates
+        chosen = trainable_set(model)
+        if log:
+            logger.info("%s (pass trainable= to choose)", chosen.summary())
+        return chosen.weights
     if callable(trainable):
         return [n for n in candidates if trainable(n, values[n])]
     names = list(trainable)
     unknown = [n for n in names if n not in candidates]
     if unknown:
-        raise BindingError(f"trainable names {unknown} are not float weights of the main graph; "
-                           f"candidates are {candidates}")
+        raise BindingError(f"trainable names {unknown} are not float weights of the main graph (shape "
+                           f"operands and BatchNorm statistics cannot be trained); candidates are "
+                           f"{candidates}")
     return names
 
 

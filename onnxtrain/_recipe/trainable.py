@@ -1,0 +1,240 @@
+"""The default trainable set: which float initializers of an exported model are weights.
+
+Exporters store every constant of the forward pass as an initializer: the weights, and also
+exponents, attention scales, epsilons, mask fill values, zero RNN states, folded masks.
+Training the latter breaks models (d/dy x^y is NaN for x < 0, so a trained GELU exponent
+turns GPT-2 into NaN on the first step) or makes them drift, so the default set is decided
+by how the forward pass *consumes* each initializer, never by its name:
+
+- follow the value through ops that only move or retype it (Cast, Identity, Transpose,
+  Reshape, Unsqueeze, Expand, Concat, ...) to the nodes that compute with it;
+- a use is a **weight** use where the op multiplies, convolves, normalizes or embeds with it
+  (MatMul, Gemm, Conv, Gather data, normalization scale and bias, RNN weights, ...), where it
+  is a bias (along one axis) added to such a product, or where it is an operand of wider elementwise
+  arithmetic (position embeddings, layer scales, bias vectors);
+- a use is **not** a weight use where it is an exponent, a Clip bound, a Dropout ratio, a
+  padding value, a comparison operand, a shape or axes operand, a BatchNorm running
+  statistic, an all-zero RNN initial state, or only its shape is read; a single-element
+  operand of elementwise arithmetic is a scale, epsilon or fill value, and an all-zero one
+  with two or more axes longer than one is a folded mask; a tensor holding a value of
+  magnitude 1e30 or more (or Inf/NaN), or only zeros and one value of magnitude 1e3 or
+  more, is a mask or fill value wherever it goes.
+
+An initializer is a weight when any of its uses is a weight use (an exporter that merges
+equal tensors may share one between a weight and a constant role).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto
+from onnxtrain.translate.graph import graph_initializers
+from onnxtrain.translate.model import static_input_names
+from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.proto.walk import iter_graph_tree
+
+FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+
+# Ops whose first input reaches their output unchanged in value (moved, retyped, repeated or
+# joined with others): the role of an initializer is decided where it is computed with.
+_PASS_THROUGH_FIRST = {"Cast", "CastLike", "Identity", "Transpose", "Reshape", "Unsqueeze", "Squeeze",
+                       "Expand", "Flatten", "Tile", "Slice", "Split", "DepthToSpace", "SpaceToDepth"}
+_PASS_THROUGH_ALL = {"Concat", "SequenceConstruct"}
+# (op, input positions) that hold weights whatever their size.
+_WEIGHT_POSITIONS: dict[str, tuple[int, ...]] = {
+    "MatMul": (0, 1), "Gemm": (0, 1, 2), "Conv": (1, 2), "ConvTranspose": (1, 2), "Einsum": tuple(range(16)),
+    "LayerNormalization": (1, 2), "BatchNormalization": (1, 2), "InstanceNormalization": (1, 2),
+    "GroupNormalization": (1, 2), "RMSNormalization": (1,), "SimplifiedLayerNormalization": (1,),
+    "SkipLayerNormalization": (2, 3, 4), "SkipSimplifiedLayerNormalization": (2, 3),
+    "EmbedLayerNormalization": (2, 3, 4, 5, 6), "PRelu": (1,), "LSTM": (1, 2, 3, 7), "GRU": (1, 2, 3),
+    "RNN": (1, 2, 3), "FusedMatMul": (0, 1), "Attention": (1, 2), "MultiHeadAttention": (3,),
+    "FastGelu": (1,), "BiasGelu": (1,), "BiasAdd": (1,), "BiasSplitGelu": (1,),
+}
+# Gather-like ops read a weight table at input 0 (an embedding); the table is a weight.
+_TABLE_READERS = {"Gather", "GatherElements", "GatherND"}
+# Producers whose output a following Add/Sub treats as a bias.
+_PRODUCTS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul"}
+_ZERO_STATE_POSITIONS = {"LSTM": (5, 6), "GRU": (5,), "RNN": (5,)}
+_CONSTANT_POSITIONS: dict[str, tuple[tuple[int, ...], str]] = {
+    "Pow": ((1,), "exponent of Pow"),
+    "Clip": ((1, 2), "bound of Clip"),
+    "Dropout": ((1,), "ratio of Dropout"),
+    "Pad": ((2,), "fill value of Pad"),
+    "BatchNormalization": ((3, 4), "BatchNorm running statistic"),
+    "Range": ((0, 1, 2), "bound of Range"),
+}
+_ONLY_SHAPE = {"Shape", "Size", "EyeLike", "ConstantOfShape"}
+_COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf"}
+# A value this large or larger is a mask or fill value (float32's lowest, -inf stand-ins), never a weight.
+_FILL_MAGNITUDE = 1e30
+# Zeros and one value at least this large make a two-valued additive mask.
+_MASK_MAGNITUDE = 1e3
+
+
+@dataclass(frozen=True)
+class TrainableSet:
+    """The float initializers of a model's main graph, split into weights and the rest.
+
+    weights: the names to train, in initializer order.
+    left_out: every other float initializer -> why it is not a weight.
+    """
+
+    weights: list[str]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    def summary(self, limit: int = 8) -> str:
+        """One line: how many are trained and which were left out, with reasons."""
+        total = len(self.weights) + len(self.left_out)
+        text = f"training {len(self.weights)} of {total} float initializers"
+        if not self.left_out:
+            return text
+        items = [f"{name} ({reason})" for name, reason in list(self.left_out.items())[:limit]]
+        more = len(self.left_out) - limit
+        return f"{text}; left out {', '.join(items)}{f' and {more} more' if more > 0 else ''}"
+
+
+@dataclass(frozen=True)
+class _Use:
+    node: NodeProto
+    index: int
+
+
+def _consumers(graph: GraphProto) -> dict[str, list[_Use]]:
+    """name -> the (node, input position) pairs reading it, in this graph and its subgraphs."""
+    uses: dict[str, list[_Use]] = {}
+    for subgraph, _ in iter_graph_tree(graph, "graph"):
+        for item in subgraph.node:
+            for index, name in enumerate(item.input):
+                if name:
+                    uses.setdefault(name, []).append(_Use(item, index))
+    return uses
+
+
+def _producers(graph: GraphProto) -> dict[str, NodeProto]:
+    return {name: item for item in graph.node for name in item.output if name}
+
+
+def _passes_through(use: _Use) -> bool:
+    if normalize_domain(use.node.domain) != "":
+        return False
+    return (use.node.op_type in _PASS_THROUGH_ALL
+            or (use.node.op_type in _PASS_THROUGH_FIRST and use.index == 0))
+
+
+def _reached(name: str, uses: Mapping[str, list[_Use]]) -> Iterator[_Use]:
+    """The uses `name`'s value reaches through pass-through ops, each node once."""
+    pending, seen = [name], {name}
+    while pending:
+        for use in uses.get(pending.pop(), []):
+            if _passes_through(use):
+                for output in use.node.output:
+                    if output and output not in seen:
+                        seen.add(output)
+                        pending.append(output)
+            else:
+                yield use
+
+
+def _fed_by_product(item: NodeProto, index: int, producers: Mapping[str, NodeProto]) -> bool:
+    """Whether the other operand of a binary Add/Sub comes from a MatMul-like op (so the
+    initializer is that product's bias), looking back through pass-through ops."""
+    for other, name in enumerate(item.input[:2]):
+        if other == index:
+            continue
+        source = producers.get(name)
+        while source is not None and source.op_type in _PASS_THROUGH_FIRST and source.input:
+            source = producers.get(source.input[0])
+        if source is not None and source.op_type in _PRODUCTS:
+            return True
+    return False
+
+
+def _role(use: _Use, value: np.ndarray, static: set[str], producers: Mapping[str, NodeProto]
+          ) -> str | None:
+    """None for a weight use, else why this use does not make `value` a weight."""
+    op_type, index, item = use.node.op_type, use.index, use.node
+    if item.input[index] in static:
+        return f"shape or axes operand of {op_type}"
+    if index in _CONSTANT_POSITIONS.get(op_type, ((), ""))[0]:
+        return _CONSTANT_POSITIONS[op_type][1]
+    if index in _ZERO_STATE_POSITIONS.get(op_type, ()):
+        return None if value.any() else f"zero initial state of {op_type}"
+    if op_type in _ONLY_SHAPE:
+        return f"only its shape is read, by {op_type}"
+    if op_type in _COMPARISONS:
+        return f"operand of {op_type}"
+    if index in _WEIGHT_POSITIONS.get(op_type, ()) or (op_type in _TABLE_READERS and index == 0):
+        return None
+    long_axes = sum(size > 1 for size in value.shape)
+    if op_type in ("Add", "Sub") and long_axes <= 1 and _fed_by_product(item, index, producers):
+        return None  # a bias runs along one axis; a mask added to attention scores spans two
+    if value.size <= 1:
+        return f"scalar constant of {op_type}"
+    if long_axes >= 2 and not value.any():
+        # An exporter folds an attention mask without padding into zeros of the scores' shape.
+        return f"all-zero mask of {op_type}"
+    return None
+
+
+def _is_mask(value: np.ndarray) -> bool:
+    """A value of magnitude _FILL_MAGNITUDE or more (or Inf/NaN) anywhere, or zeros and one
+    large value (an additive mask written with -10000 or the like)."""
+    if value.size == 0:
+        return False
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(value.astype(np.float64))
+    if not np.all(magnitude < _FILL_MAGNITUDE):
+        return True
+    filled = value[value != 0]
+    return 0 < filled.size < value.size and bool(np.all(filled == filled.flat[0])) and magnitude.max() >= _MASK_MAGNITUDE
+
+
+def trainable_set(model: ModelProto) -> TrainableSet:
+    """Split the main graph's float initializers into weights and constants, by how the
+    forward pass uses each one (see the module docstring).
+
+    Args:
+        model: an inference model (its training_info, if any, is not read).
+
+    Returns:
+        A TrainableSet: the weight names in initializer order, and each left-out float
+        initializer with a short reason.
+
+    Example:
+        >>> chosen = trainable_set(onnxtrain.load_model("gpt2.onnx"))
+        >>> chosen.left_out["val_116"]
+        'exponent of Pow'
+    """
+    graph = model.graph
+    values = {name: value for name, value in graph_initializers(graph).items() if value.dtype in FLOATS}
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    static = static_input_names(graph, opsets)
+    uses, producers = _consumers(graph), _producers(graph)
+    weights, left_out = [], {}
+    for name, value in values.items():
+        reason = _reason(name, value, static, uses, producers)
+        if reason is None:
+            weights.append(name)
+        else:
+            left_out[name] = reason
+    return TrainableSet(weights, left_out)
+
+
+def _reason(name: str, value: np.ndarray, static: set[str], uses: Mapping[str, list[_Use]],
+            producers: Mapping[str, NodeProto]) -> str | None:
+    """None for a weight, else why `name` is left out."""
+    if name in static:
+        return "shape or axes operand"
+    reached = list(_reached(name, uses))
+    if not reached:
+        return "no node computes with it"
+    if _is_mask(value):
+        return "mask or fill value"
+    reasons = [_role(use, value, static, producers) for use in reached]
+    if any(reason is None for reason in reasons):
+        return None
+    return ", ".join(dict.fromkeys(reasons))
