@@ -185,3 +185,206 @@ def test_bias_add_adds_bias_and_skip():
 def test_fused_matmul_matches_onnxruntime(a_shape, b_shape, attrs):
     assert_matches_onnxruntime("FusedMatMul", dict(a=rand(*a_shape), b=rand(*b_shape)), 1,
                                **attrs)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention
+
+
+BATCH, LENGTH, HIDDEN, HEADS = 2, 5, 16, 4
+
+
+def attention_inputs(**extra: np.ndarray | None) -> dict[str, np.ndarray | None]:
+    inputs = dict(x=rand(BATCH, LENGTH, HIDDEN), weights=rand(HIDDEN, 3 * HIDDEN, scale=0.5),
+                  bias=rand(3 * HIDDEN), mask_index=None, past=None, attention_bias=None)
+    inputs.update(extra)
+    return inputs
+
+
+MASKS = {
+    "none": None,
+    "key_lengths": np.array([3, 5], np.int32),
+    "end_start": np.array([5, 4, 1, 0], np.int32),
+    "raw_2d": np.array([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0]], np.int32),
+    "raw_3d": RNG.integers(0, 2, (BATCH, LENGTH, LENGTH)).astype(np.int32) | np.eye(
+        LENGTH, dtype=np.int32),
+    "dummy": np.ones((BATCH, 1), np.int32),
+}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_attention_masks_match_onnxruntime(mask, unidirectional):
+    inputs = attention_inputs(mask_index=MASKS[mask])
+    assert_matches_onnxruntime("Attention", inputs, 1, num_heads=HEADS,
+                               unidirectional=unidirectional)
+
+
+def test_attention_megatron_4d_mask_matches_the_equivalent_3d_mask():
+    # onnxruntime's CPU kernel rejects the 4-D form; it is the (max, max) causal block.
+    causal = np.tril(np.ones((8, 8), np.int32))[None, None].repeat(BATCH, 0)
+    x = attention_inputs(mask_index=causal)
+    (four_d,) = ours(contrib_model("Attention", x, num_heads=HEADS), feeds_of(x))
+    three = dict(x, mask_index=np.ascontiguousarray(causal[:, 0, :LENGTH, :LENGTH]))
+    expected = theirs(contrib_model("Attention", three, num_heads=HEADS), feeds_of(three))[0]
+    np.testing.assert_allclose(four_d, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_past_present_scale_and_filter_value_match_onnxruntime():
+    past = rand(2, BATCH, HEADS, 3, HIDDEN // HEADS)
+    inputs = attention_inputs(mask_index=np.array([[1] * 7 + [0], [1] * 8], np.int32),
+                              past=past)
+    present = assert_matches_onnxruntime("Attention", inputs, 2, num_heads=HEADS,
+                                         unidirectional=1, scale=0.3,
+                                         mask_filter_value=-1000.0)[1]
+    np.testing.assert_array_equal(present[:, :, :, :3], past)
+
+
+def test_attention_bias_input_matches_onnxruntime():
+    inputs = attention_inputs(mask_index=MASKS["raw_2d"],
+                              attention_bias=rand(1, HEADS, LENGTH, LENGTH))
+    assert_matches_onnxruntime("Attention", inputs, 1, num_heads=HEADS)
+
+
+def test_attention_qkv_hidden_sizes_give_v_its_own_width():
+    inputs = attention_inputs(weights=rand(HIDDEN, 2 * HIDDEN + 8, scale=0.5),
+                              bias=rand(2 * HIDDEN + 8), mask_index=MASKS["key_lengths"])
+    (y,) = assert_matches_onnxruntime("Attention", inputs, 1, num_heads=HEADS,
+                                      qkv_hidden_sizes=[HIDDEN, HIDDEN, 8])
+    assert y.shape == (BATCH, LENGTH, 8)
+
+
+def test_attention_rejects_do_rotary_naming_the_node():
+    inputs = attention_inputs()
+    model = contrib_model("Attention", inputs, num_heads=HEADS, do_rotary=1)
+    with pytest.raises(UnsupportedOpError, match=r"the_Attention.*do_rotary"):
+        ours(model, feeds_of(inputs))
+
+
+def mha_inputs(kv_length: int = LENGTH, **extra: np.ndarray | None) -> dict:
+    inputs = dict(query=rand(BATCH, LENGTH, HIDDEN), key=rand(BATCH, kv_length, HIDDEN),
+                  value=rand(BATCH, kv_length, HIDDEN), bias=rand(3 * HIDDEN),
+                  key_padding_mask=None, attention_bias=None, past_key=None, past_value=None)
+    inputs.update(extra)
+    return inputs
+
+
+@pytest.mark.parametrize("case", ["plain", "no_bias", "lengths", "padding", "causal_past",
+                                  "cross_bias", "mask_3d"])
+def test_multi_head_attention_matches_onnxruntime(case):
+    past = dict(past_key=rand(BATCH, HEADS, 3, 4), past_value=rand(BATCH, HEADS, 3, 4))
+    inputs, attrs, outputs = {
+        "plain": (mha_inputs(), {}, 1),
+        "no_bias": (mha_inputs(bias=None), dict(scale=0.2), 1),
+        "lengths": (mha_inputs(key_padding_mask=np.array([2, 5], np.int32)), {}, 1),
+        "padding": (mha_inputs(key_padding_mask=np.array([[1, 1, 1, 0, 0], [1] * 5], np.int32)),
+                    dict(mask_filter_value=-500.0), 1),
+        "causal_past": (mha_inputs(**past), dict(unidirectional=1), 3),
+        "cross_bias": (mha_inputs(kv_length=7, attention_bias=rand(BATCH, HEADS, LENGTH, 7)),
+                       {}, 1),
+        "mask_3d": (mha_inputs(key_padding_mask=MASKS["raw_3d"]), {}, 1),
+    }[case]
+    assert_matches_onnxruntime("MultiHeadAttention", inputs, outputs, num_heads=HEADS, **attrs)
+
+
+def test_multi_head_attention_packed_and_cached_forms_match_onnxruntime():
+    q, k, v = rand(BATCH, LENGTH, HIDDEN), rand(BATCH, 7, HIDDEN), rand(BATCH, 7, HIDDEN)
+    bias = rand(3 * HIDDEN)
+    unpacked = dict(query=q, key=k, value=v, bias=bias)
+    expected = theirs(contrib_model("MultiHeadAttention", unpacked, num_heads=HEADS),
+                      unpacked)[0]
+    # onnxruntime packs K/V and Q/K/V only on CUDA: the oracle is the unpacked call.
+    heads_of = lambda t: t.reshape(BATCH, -1, HEADS, 4)  # noqa: E731
+    packed_kv = dict(query=q, key=np.stack([heads_of(k), heads_of(v)], 3), value=None, bias=bias)
+    (actual,) = ours(contrib_model("MultiHeadAttention", packed_kv, num_heads=HEADS),
+                     feeds_of(packed_kv))
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    self_inputs = dict(query=q, key=q * 0.5, value=q * 2, bias=bias)
+    expected = theirs(contrib_model("MultiHeadAttention", self_inputs, num_heads=HEADS),
+                      self_inputs)[0]
+    packed_qkv = dict(query=np.stack([heads_of(q), heads_of(q * 0.5), heads_of(q * 2)], 3),
+                      key=None, value=None, bias=bias)
+    (actual,) = ours(contrib_model("MultiHeadAttention", packed_qkv, num_heads=HEADS),
+                     feeds_of(packed_qkv))
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    cached = dict(query=q, key=k.reshape(BATCH, 7, HEADS, 4).transpose(0, 2, 1, 3).copy(),
+                  value=v.reshape(BATCH, 7, HEADS, 4).transpose(0, 2, 1, 3).copy())
+    assert_matches_onnxruntime("MultiHeadAttention", cached, 1, num_heads=HEADS)
+
+
+# ---------------------------------------------------------------------------------------
+# RotaryEmbedding and GroupQueryAttention
+
+
+def rotary_caches(positions: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.arange(positions)[:, None] / 10000 ** (np.arange(half)[None, :] / half)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout, interleaved, positions, rotary_dim", [
+    ("3d", 0, "ids", 0), ("3d", 1, "offset", 0), ("4d", 0, "offset", 0), ("4d", 1, "ids", 0),
+    ("3d", 0, "ids", 4)])
+def test_rotary_embedding_matches_onnxruntime(layout, interleaved, positions, rotary_dim):
+    x = rand(BATCH, LENGTH, HEADS * 8) if layout == "3d" else rand(BATCH, HEADS, LENGTH, 8)
+    cos, sin = rotary_caches(16, (rotary_dim or 8) // 2)
+    position_ids = (RNG.integers(0, 16, (BATCH, LENGTH)) if positions == "ids"
+                    else np.array([3])).astype(np.int64)
+    attrs = dict(interleaved=interleaved)
+    if layout == "3d" and rotary_dim:
+        attrs.update(num_heads=HEADS, rotary_embedding_dim=rotary_dim)
+    inputs = dict(x=x, position_ids=position_ids, cos_cache=cos, sin_cache=sin)
+    assert_matches_onnxruntime("RotaryEmbedding", inputs, 1, **attrs)
+
+
+KV_HEADS, HEAD = 2, 16  # onnxruntime rotates heads of a multiple of 16 only
+
+
+def gqa_inputs(length: int, past: int, seqlens: list[int], total: int, rotary: bool = False,
+               packed: bool = False) -> dict[str, np.ndarray | None]:
+    query = rand(BATCH, length, HEADS * HEAD)
+    key, value = rand(BATCH, length, KV_HEADS * HEAD), rand(BATCH, length, KV_HEADS * HEAD)
+    if packed:
+        query, key, value = np.concatenate([query, key, value], axis=-1), None, None
+    cos, sin = rotary_caches(32, HEAD // 2) if rotary else (None, None)
+    return dict(query=query, key=key, value=value,
+                past_key=rand(BATCH, KV_HEADS, past, HEAD) if past else None,
+                past_value=rand(BATCH, KV_HEADS, past, HEAD) if past else None,
+                seqlens_k=np.array(seqlens, np.int32), total_sequence_length=np.array(
+                    total, np.int32), cos_cache=cos, sin_cache=sin)
+
+
+@pytest.mark.parametrize("case", ["prompt", "prompt_rotary_padded", "prompt_packed_window",
+                                  "decode", "decode_ragged_rotary", "softcap"])
+def test_group_query_attention_matches_onnxruntime(case):
+    inputs, attrs = {
+        "prompt": (gqa_inputs(6, 0, [5, 5], 6), {}),
+        "prompt_rotary_padded": (gqa_inputs(6, 0, [5, 3], 6, rotary=True), dict(do_rotary=1)),
+        "prompt_packed_window": (gqa_inputs(6, 0, [5, 5], 6, packed=True),
+                                 dict(local_window_size=3, scale=0.2)),
+        "decode": (gqa_inputs(1, 4, [4, 4], 5), {}),
+        "decode_ragged_rotary": (gqa_inputs(1, 4, [4, 2], 5, rotary=True),
+                                 dict(do_rotary=1, rotary_interleaved=1)),
+        "softcap": (gqa_inputs(6, 0, [5, 5], 6), dict(softcap=2.0)),
+    }[case]
+    model = contrib_model("GroupQueryAttention", inputs, 3, num_heads=HEADS,
+                          kv_num_heads=KV_HEADS, **attrs)
+    feeds = feeds_of(inputs)
+    actual, expected = ours(model, feeds), theirs(model, feeds)
+    length = inputs["query"].shape[1]
+    for b, last in enumerate(inputs["seqlens_k"]):
+        # Rows past a batch entry's length (its right padding) are unspecified.
+        valid = min(length, int(last) + 1)
+        np.testing.assert_allclose(actual[0][b, :valid], expected[0][b, :valid], rtol=1e-5,
+                                   atol=1e-5)
+        for ours_cache, their_cache in zip(actual[1:], expected[1:]):
+            assert ours_cache.shape == their_cache.shape
+            np.testing.assert_allclose(ours_cache[b, :, :last + 1], their_cache[b, :, :last + 1],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_group_query_attention_rejects_quantized_cache_naming_the_attribute():
+    inputs = gqa_inputs(6, 0, [5, 5], 6)
+    model = contrib_model("GroupQueryAttention", inputs, 1, num_heads=HEADS,
+                          kv_num_heads=KV_HEADS, k_quant_type="PER_TENSOR")
+    with pytest.raises(UnsupportedOpError, match=r"the_GroupQueryAttention.*k_quant_type"):
+        ours(model, feeds_of(inputs))
