@@ -32,8 +32,10 @@ def rand(*shape: int, scale: float = 1.0) -> np.ndarray:
 
 
 def contrib_model(op_type: str, inputs: dict[str, np.ndarray | None], outputs: int | list[str] = 1,
-                  domain: str = MS, opset: int = 17, **attrs: Any) -> onnx.ModelProto:
-    """One contrib node whose inputs are graph inputs (None leaves an optional input out)."""
+                  domain: str = MS, opset: int = 17, constants: tuple[str, ...] = (),
+                  **attrs: Any) -> onnx.ModelProto:
+    """One contrib node whose inputs are graph inputs (None leaves an optional input out),
+    those named in `constants` coming from Constant nodes instead."""
     names = [name if value is not None else "" for name, value in inputs.items()]
     while names and not names[-1]:
         names.pop()
@@ -42,16 +44,20 @@ def contrib_model(op_type: str, inputs: dict[str, np.ndarray | None], outputs: i
                             **attrs)
     graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype),
                                                   v.shape)
-                    for n, v in inputs.items() if v is not None]
+                    for n, v in inputs.items() if v is not None and n not in constants]
     graph_outputs = [helper.make_empty_tensor_value_info(n)
                      for n in out_names if n]
-    graph = helper.make_graph([node], op_type, graph_inputs, graph_outputs)
+    constant_nodes = [helper.make_node("Constant", [], [n], value=numpy_helper.from_array(
+        inputs[n], n)) for n in constants]
+    graph = helper.make_graph(constant_nodes + [node], op_type, graph_inputs, graph_outputs)
     return helper.make_model(graph, ir_version=8, opset_imports=[
         helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
 
 
-def feeds_of(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-    return {name: value for name, value in inputs.items() if value is not None}
+def feeds_of(inputs: dict[str, np.ndarray | None],
+             constants: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    return {name: value for name, value in inputs.items()
+            if value is not None and name not in constants}
 
 
 def ours(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -388,3 +394,157 @@ def test_group_query_attention_rejects_quantized_cache_naming_the_attribute():
                           kv_num_heads=KV_HEADS, k_quant_type="PER_TENSOR")
     with pytest.raises(UnsupportedOpError, match=r"the_GroupQueryAttention.*k_quant_type"):
         ours(model, feeds_of(inputs))
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients
+
+
+@pytest.fixture
+def x64():
+    """Gradients compare in float64, where the fused and unfused forms agree to rounding."""
+    with jax.enable_x64(True):
+        yield
+
+
+def loss_of(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: list[str]):
+    """(loss, args): loss(*args) = sum over float outputs of <output, fixed random weights>,
+    a function of the inputs named in `wrt` (the others held at their feeds)."""
+    fn = translate(model)
+    forward = fn(fn.params, feeds)
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(np.shape(value))
+               for name, value in forward.items() if jnp.issubdtype(value.dtype, jnp.floating)}
+
+    def loss(*args: jax.Array) -> jax.Array:
+        outputs = fn(fn.params, {**feeds, **dict(zip(wrt, args))})
+        return sum(jnp.sum(outputs[name] * weight) for name, weight in weights.items())
+
+    return loss, [feeds[name] for name in wrt]
+
+
+def unfused_model(nodes: list[onnx.NodeProto], inputs: dict[str, np.ndarray], outputs: list[str],
+                  constants: dict[str, np.ndarray], opset: int = 23) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes, "unfused",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+         for n, v in inputs.items()],
+        [helper.make_empty_tensor_value_info(n) for n in outputs],
+        [numpy_helper.from_array(v, n) for n, v in constants.items()])
+    return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def f64(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return scale * RNG.standard_normal(shape)
+
+
+def _skip_norm_unfused(simplified: bool) -> list[onnx.NodeProto]:
+    norm = (helper.make_node("RMSNormalization", ["sum", "gamma"], ["Y0"], epsilon=1e-5,
+                                     stash_type=TensorProto.DOUBLE)
+            if simplified else
+            helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["Y0"], epsilon=1e-5,
+                                     stash_type=TensorProto.DOUBLE))
+    return [helper.make_node("Add", ["x", "skip"], ["partial"]),
+            helper.make_node("Add", ["partial", "bias"], ["sum"]), norm]
+
+
+def _fused_cases() -> dict[str, tuple]:
+    """name -> (contrib op, its inputs, attributes, unfused nodes, output count)."""
+    x, skip, gamma, beta, bias = f64(2, 3, 8), f64(2, 3, 8), f64(8), f64(8), f64(8)
+    ids = RNG.integers(0, 10, (2, 4)).astype(np.int32)
+    segments = RNG.integers(0, 2, (2, 4)).astype(np.int32)
+    gelu = f64(3, 8, scale=2)
+    return {
+        "SkipLayerNormalization": (
+            "SkipLayerNormalization", dict(x=x, skip=skip, gamma=gamma, beta=beta, bias=bias),
+            dict(epsilon=1e-5), _skip_norm_unfused(False)),
+        "SkipSimplifiedLayerNormalization": (
+            "SkipSimplifiedLayerNormalization", dict(x=x, skip=skip, gamma=gamma, bias=bias),
+            dict(epsilon=1e-5), _skip_norm_unfused(True)),
+        "EmbedLayerNormalization": (
+            "EmbedLayerNormalization",
+            dict(ids=ids, segments=segments, word=f64(10, 8), position=f64(6, 8),
+                 segment=f64(2, 8), gamma=gamma, beta=beta), dict(epsilon=1e-5),
+            [helper.make_node("Gather", ["word", "ids"], ["w"]),
+             helper.make_node("Gather", ["segment", "segments"], ["s"]),
+             helper.make_node("Slice", ["position", "zero", "four"], ["p"]),
+             helper.make_node("Add", ["w", "p"], ["wp"]),
+             helper.make_node("Add", ["wp", "s"], ["e"]),
+             helper.make_node("LayerNormalization", ["e", "gamma", "beta"], ["Y0"],
+                              stash_type=TensorProto.DOUBLE,
+                              epsilon=1e-5)]),
+        "BiasGelu": ("BiasGelu", dict(x=gelu, bias=bias), {},
+                     [helper.make_node("Add", ["x", "bias"], ["a"]),
+                      helper.make_node("Gelu", ["a"], ["Y0"])]),
+        "FastGelu": ("FastGelu", dict(x=gelu, bias=bias), {},
+                     [helper.make_node("Add", ["x", "bias"], ["a"]),
+                      helper.make_node("Gelu", ["a"], ["Y0"], approximate="tanh")]),
+        "Gelu": ("Gelu", dict(x=gelu), {}, [helper.make_node("Gelu", ["x"], ["Y0"])]),
+        "QuickGelu": ("QuickGelu", dict(x=gelu), dict(alpha=1.5),
+                      [helper.make_node("Mul", ["x", "alpha"], ["a"]),
+                       helper.make_node("Sigmoid", ["a"], ["s"]),
+                       helper.make_node("Mul", ["x", "s"], ["Y0"])]),
+        "FusedMatMul": ("FusedMatMul", dict(a=f64(3, 2, 4), b=f64(2, 5, 4)),
+                        dict(transBatchA=1, transB=1, alpha=0.5),
+                        [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0, 2]),
+                         helper.make_node("Transpose", ["b"], ["bt"], perm=[0, 2, 1]),
+                         helper.make_node("MatMul", ["at", "bt"], ["m"]),
+                         helper.make_node("Mul", ["m", "alpha"], ["Y0"])]),
+    }
+
+
+_CONSTANTS = {"zero": np.array([0], np.int64), "four": np.array([4], np.int64)}
+
+
+@pytest.mark.parametrize("case", list(_fused_cases()))
+def test_contrib_op_gradients_match_the_unfused_formulation(case, x64):
+    op_type, inputs, attrs, nodes = _fused_cases()[case]
+    fused = contrib_model(op_type, inputs, 1, **attrs)
+    constants = {"alpha": np.array(attrs["alpha"])} if "alpha" in attrs else {}
+    constants.update({n: v for n, v in _CONSTANTS.items()
+                      if any(n in node.input for node in nodes)})
+    unfused = unfused_model(nodes, inputs, ["Y0"], constants)
+    wrt = [n for n, v in inputs.items() if v.dtype == np.float64]
+    fused_loss, args = loss_of(fused, inputs, wrt)
+    unfused_loss, _ = loss_of(unfused, inputs, wrt)
+    np.testing.assert_allclose(fused_loss(*args), unfused_loss(*args), rtol=1e-12)
+    fused_grads = jax.grad(fused_loss, argnums=tuple(range(len(wrt))))(*args)
+    unfused_grads = jax.grad(unfused_loss, argnums=tuple(range(len(wrt))))(*args)
+    for name, g, h in zip(wrt, fused_grads, unfused_grads):
+        np.testing.assert_allclose(g, h, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def _attention_gradient_cases() -> dict[str, tuple]:
+    """name -> (op, inputs, attributes) for finite-difference checks."""
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int32)
+    cos, sin = rotary_caches(8, 4)
+    return {
+        "Attention": ("Attention", dict(x=f64(2, 4, 8), weights=f64(8, 24, scale=0.5),
+                                        bias=f64(24), mask_index=mask),
+                      dict(num_heads=2, unidirectional=1)),
+        "MultiHeadAttention": ("MultiHeadAttention",
+                               dict(query=f64(2, 4, 8), key=f64(2, 4, 8), value=f64(2, 4, 8),
+                                    bias=f64(24), key_padding_mask=mask), dict(num_heads=2)),
+        "RotaryEmbedding": ("RotaryEmbedding",
+                            dict(x=f64(2, 4, 16), position_ids=np.array([[0, 1, 2, 3]] * 2),
+                                 cos=cos.astype(np.float64), sin=sin.astype(np.float64)),
+                            dict(num_heads=2)),
+        "GroupQueryAttention": ("GroupQueryAttention",
+                                dict(query=f64(2, 4, 16), key=f64(2, 4, 8), value=f64(2, 4, 8),
+                                     past_key=None, past_value=None,
+                                     seqlens_k=np.array([3, 2], np.int32),
+                                     total=np.array(4, np.int32), cos=cos.astype(np.float64),
+                                     sin=sin.astype(np.float64)),
+                                dict(num_heads=2, kv_num_heads=1, do_rotary=1)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_attention_gradient_cases()))
+def test_attention_op_gradients_match_finite_differences(case, x64):
+    op_type, inputs, attrs = _attention_gradient_cases()[case]
+    constants = ("total",) if "total" in inputs else ()
+    model = contrib_model(op_type, inputs, 1, constants=constants, **attrs)
+    feeds = feeds_of(inputs, constants)
+    wrt = [n for n, v in feeds.items() if v.dtype == np.float64 and n not in ("cos", "sin")]
+    loss, args = loss_of(model, feeds, wrt)
+    check_grads(loss, args, order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
