@@ -548,3 +548,85 @@ def test_attention_op_gradients_match_finite_differences(case, x64):
     wrt = [n for n, v in feeds.items() if v.dtype == np.float64 and n not in ("cos", "sin")]
     loss, args = loss_of(model, feeds, wrt)
     check_grads(loss, args, order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Acceptance: BERT and GPT-2 through ONNX Runtime's transformer optimizer
+
+# What the optimizer fuses in each export (transformers' eager attention, opt_level 0): the
+# torchscript BERT export gets Attention and EmbedLayerNormalization as well.
+EMITTED = {
+    ("bert", "torchscript"): {"Attention", "BiasGelu", "EmbedLayerNormalization",
+                              "SkipLayerNormalization"},
+    ("bert", "dynamo"): {"BiasGelu", "SkipLayerNormalization"},
+    ("gpt2", "torchscript"): {"FastGelu", "SkipLayerNormalization"},
+    ("gpt2", "dynamo"): {"FastGelu", "SkipLayerNormalization"},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(EMITTED), ids="-".join)
+def optimized_export(request, tmp_path_factory):
+    """(family, exporter, unfused model, fused model)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from support import transformer_exports
+
+    family, exporter = request.param
+    path = transformer_exports.export(family, exporter, tmp_path_factory.mktemp("exports"))
+    return family, exporter, onnx.load(path), transformer_exports.optimize(path, family)
+
+
+def transformer_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    mask = np.ones((2, 8), np.int64)
+    mask[1, 6:] = 0  # right padding, a form every fused mask representation keeps
+    return {"input_ids": rng.integers(0, 100, (2, 8)).astype(np.int64), "attention_mask": mask}
+
+
+def first_step_gradients(model: onnx.ModelProto, feeds: dict, labels: np.ndarray) -> dict:
+    """Each weight's gradient of make_training_model's first step: plain SGD with rate 1, so
+    the gradient is the weight before minus the weight after (in float64)."""
+    import onnxtrain
+    from onnxtrain import optim
+
+    # Every weight tensor trains; scalar exporter constants (exponents, fill values) stay
+    # fixed, as the optimizer folds them into the fused ops.
+    training = onnxtrain.make_training_model(
+        model, loss="mse", optimizer=optim.SGD(lr=1.0),
+        trainable=lambda name, value: value.ndim >= 1 and value.size > 1)
+    trainer = onnxtrain.Trainer(training)
+    weights = {name for name in trainer.state_names
+               if name in {t.name for t in model.graph.initializer}}
+    before = {name: np.asarray(trainer.state[name], np.float64) for name in weights}
+    trainer.step({**feeds, "labels": labels})
+    return {name: before[name] - np.asarray(trainer.state[name], np.float64) for name in weights}
+
+
+@pytest.mark.slow
+def test_optimized_transformer_runs_like_onnxruntime(optimized_export):
+    family, exporter, _, fused = optimized_export
+    from support.transformer_exports import contrib_ops
+
+    assert contrib_ops(fused) == EMITTED[family, exporter]
+    feeds = transformer_feeds()
+    expected = theirs(fused, feeds)[0]
+    (actual,) = ours(fused, feeds)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_optimized_transformer_trains_with_the_unfused_gradients(optimized_export):
+    family, exporter, unfused, fused = optimized_export
+    from support.transformer_exports import weight_sources
+
+    feeds = transformer_feeds()
+    labels = np.random.default_rng(2).standard_normal((2, 8, 32)).astype(np.float32)
+    fused_grads = first_step_gradients(fused, feeds, labels)
+    unfused_grads = first_step_gradients(unfused, feeds, labels)
+    sources = weight_sources(fused, unfused, set(fused_grads))
+    # Every fused weight comes from the export, merged Q/K/V projections included.
+    assert set(sources) == set(fused_grads)
+    for name, parts in sources.items():
+        expected = np.concatenate([unfused_grads[p] for p in parts], axis=-1)
+        np.testing.assert_allclose(fused_grads[name], expected, rtol=0, atol=1e-5,
+                                   err_msg=f"{family} {exporter}: {name} from {parts}")
