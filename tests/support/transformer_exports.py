@@ -31,6 +31,10 @@ def _model(family: str):
                                          num_hidden_layers=2, num_attention_heads=HEADS,
                                          intermediate_size=2 * HIDDEN, max_position_embeddings=64)
         model = transformers.BertModel(config)
+    elif family == "t5":
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS,
+                                       d_ff=2 * HIDDEN, num_layers=2, num_heads=HEADS)
+        model = transformers.T5EncoderModel(config)
     elif family == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2,
                                          n_head=HEADS, n_positions=64)
@@ -57,7 +61,7 @@ def _model(family: str):
 
 
 def export(family: str, exporter: str, folder: Path) -> Path:
-    """`family` ("bert", "gpt2") exported by `exporter` ("dynamo" or "torchscript") into
+    """`family` ("bert", "gpt2", "t5": its encoder) exported by `exporter` ("dynamo" or "torchscript") into
     folder/<family>_<exporter>.onnx, inputs input_ids and attention_mask (int64)."""
     import torch
 

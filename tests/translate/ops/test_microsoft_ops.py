@@ -555,16 +555,18 @@ def test_attention_op_gradients_match_finite_differences(case, x64):
 
 
 # ---------------------------------------------------------------------------------------
-# Acceptance: BERT and GPT-2 through ONNX Runtime's transformer optimizer
+# Acceptance: BERT, GPT-2 and T5's encoder through ONNX Runtime's transformer optimizer
 
 # What the optimizer fuses in each export (transformers' eager attention, opt_level 0): the
-# torchscript BERT export gets Attention and EmbedLayerNormalization as well.
+# torchscript BERT export gets Attention and EmbedLayerNormalization as well; T5 also keeps
+# one SimplifiedLayerNormalization (default domain).
 EMITTED = {
     ("bert", "torchscript"): {"Attention", "BiasGelu", "EmbedLayerNormalization",
                               "SkipLayerNormalization"},
     ("bert", "dynamo"): {"BiasGelu", "SkipLayerNormalization"},
     ("gpt2", "torchscript"): {"FastGelu", "SkipLayerNormalization"},
     ("gpt2", "dynamo"): {"FastGelu", "SkipLayerNormalization"},
+    ("t5", "torchscript"): {"SkipSimplifiedLayerNormalization"},
 }
 
 
