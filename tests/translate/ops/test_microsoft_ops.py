@@ -360,7 +360,8 @@ def gqa_inputs(length: int, past: int, seqlens: list[int], total: int, rotary: b
 
 
 @pytest.mark.parametrize("case", ["prompt", "prompt_rotary_padded", "prompt_packed_window",
-                                  "decode", "decode_ragged_rotary", "softcap"])
+                                  "decode", "decode_ragged_rotary", "decode_position_ids",
+                                  "softcap", "attention_bias"])
 def test_group_query_attention_matches_onnxruntime(case):
     inputs, attrs = {
         "prompt": (gqa_inputs(6, 0, [5, 5], 6), {}),
@@ -370,7 +371,12 @@ def test_group_query_attention_matches_onnxruntime(case):
         "decode": (gqa_inputs(1, 4, [4, 4], 5), {}),
         "decode_ragged_rotary": (gqa_inputs(1, 4, [4, 2], 5, rotary=True),
                                  dict(do_rotary=1, rotary_interleaved=1)),
+        "decode_position_ids": (dict(gqa_inputs(1, 4, [4, 4], 5, rotary=True),
+                                     position_ids=np.array([[7], [2]], np.int64)),
+                                dict(do_rotary=1)),
         "softcap": (gqa_inputs(6, 0, [5, 5], 6), dict(softcap=2.0)),
+        "attention_bias": (dict(gqa_inputs(6, 0, [5, 5], 6), position_ids=None,
+                                attention_bias=rand(BATCH, 1, 6, 6)), dict(softcap=3.0)),
     }[case]
     # total_sequence_length sizes the cache: a constant, as exports compute it from shapes.
     constants = ("total_sequence_length",)
