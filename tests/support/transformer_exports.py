@@ -61,8 +61,9 @@ def _model(family: str):
 
 
 def export(family: str, exporter: str, folder: Path) -> Path:
-    """`family` ("bert", "gpt2", "t5": its encoder) exported by `exporter` ("dynamo" or "torchscript") into
-    folder/<family>_<exporter>.onnx, inputs input_ids and attention_mask (int64)."""
+    """`family` ("bert", "gpt2", "t5": its encoder) exported by `exporter` ("dynamo" or
+    "torchscript") into folder/<family>_<exporter>.onnx, inputs input_ids and attention_mask
+    (int64)."""
     import torch
 
     path = folder / f"{family}_{exporter}.onnx"

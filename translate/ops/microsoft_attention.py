@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from onnxtrain.translate.node import Node
@@ -58,17 +57,16 @@ def _heads(node: Node, hidden: int, what: str, heads: int | None = None) -> int:
     return hidden // heads
 
 
-def _filtered_softmax(scores: jax.Array, allowed: jax.Array | None, fill: float,
-                      causal: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis with `fill` added to the scores of keys not `allowed`, and
-    the scores of keys not `causal` replaced by the lowest float (finite, so that the
-    gradient stays finite)."""
+def _masked(scores: jax.Array, allowed: jax.Array | None, fill: float,
+            causal: jax.Array | None) -> jax.Array:
+    """scores with `fill` added where keys are not `allowed`, and replaced by the lowest float
+    (finite, so that the gradient stays finite) where keys are not `causal`."""
     if allowed is not None:
         scores = scores + jnp.where(allowed, jnp.zeros((), scores.dtype),
                                     jnp.asarray(fill, scores.dtype))
     if causal is not None:
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    return jax.nn.softmax(scores, axis=-1)
+    return scores
 
 
 def _causal(q_length: int, kv_length: int, past: Any) -> jax.Array:
@@ -113,15 +111,17 @@ def _key_mask(node: Node, mask: Any, batch: int, q_length: int, kv_length: int,
 def _attend(node: Node, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
             allowed: jax.Array | None, past_length: int,
             attention_bias: Any) -> tuple[jax.Array, jax.Array]:
-    """(batch, heads, q, size) attention output and the scaled scores before masking;
-    keys not `allowed` are masked, and later keys too when the node is unidirectional."""
+    """(batch, heads, q, size) attention output and the scores it takes the softmax of
+    (scaled, biased and masked); keys not `allowed` are masked, and later keys too when the
+    node is unidirectional."""
     scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * jnp.asarray(scale, q.dtype)
     biased = scores if attention_bias is None else scores + jnp.asarray(attention_bias)
     fill = float_attr(node, "mask_filter_value", -10000.0)
     causal = (_causal(q.shape[2], k.shape[2], past_length) if node.attr("unidirectional", 0)
               else None)
-    probabilities = _filtered_softmax(biased, allowed, fill, causal)
-    return jnp.matmul(probabilities.astype(v.dtype), v), scores
+    logits = _masked(biased, allowed, fill, causal)
+    probabilities = jax.nn.softmax(logits, axis=-1)
+    return jnp.matmul(probabilities.astype(v.dtype), v), logits
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def multi_head_attention(node: Node, query: ArrayLike, key: ArrayLike | None = N
     bias (q + k + v) is added to the projections; past_key/past_value (batch, heads, past,
     size) precede K and V; key_padding_mask in any of ONNX Runtime's forms; unidirectional
     masks later keys. Outputs the attention (batch, seq, v), present_key, present_value and
-    qk (the scaled Q K^T before masking and softmax).
+    qk (the scaled, biased and masked Q K^T the softmax takes).
     """
     _unsupported_input(node, 8, past_sequence_length, "past_sequence_length")
     _unsupported_input(node, 9, cache_indirection, "cache_indirection")
@@ -273,9 +273,9 @@ def multi_head_attention(node: Node, query: ArrayLike, key: ArrayLike | None = N
     total = k.shape[2]
     allowed = _key_mask(node, key_padding_mask, batch, length, total, past_length,
                         "key_padding_mask")
-    out, scores = _attend(node, q, k, v, _scale(node, head_size), allowed, past_length,
+    out, logits = _attend(node, q, k, v, _scale(node, head_size), allowed, past_length,
                           attention_bias)
-    return _merge_heads(out), k, v, scores
+    return _merge_heads(out), k, v, logits
 
 
 # ---------------------------------------------------------------------------------------
