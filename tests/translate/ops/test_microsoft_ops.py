@@ -604,11 +604,9 @@ def first_step_gradients(model: onnx.ModelProto, feeds: dict, labels: np.ndarray
     import onnxtrain
     from onnxtrain import optim
 
-    # Every weight tensor trains; scalar exporter constants (exponents, fill values) stay
-    # fixed, as the optimizer folds them into the fused ops.
-    training = onnxtrain.make_training_model(
-        model, loss="mse", optimizer=optim.SGD(lr=1.0),
-        trainable=lambda name, value: value.ndim >= 1 and value.size > 1)
+    # The default trainable set: exporter constants (exponents, fill values) stay fixed in
+    # the unfused export, as the optimizer folds them into the fused ops.
+    training = onnxtrain.make_training_model(model, loss="mse", optimizer=optim.SGD(lr=1.0))
     trainer = onnxtrain.Trainer(training)
     weights = {name for name in trainer.state_names
                if name in {t.name for t in model.graph.initializer}}
