@@ -32,12 +32,12 @@ from onnxtrain.proto import ModelProto
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.translate.graph import iter_initializers
 from onnxtrain.translate.model import static_input_names
-from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.registry import model_opsets
 
 
 def _hyperparameters(model: ModelProto, state: set[str]) -> dict[str, tuple[int, np.ndarray]]:
     """Scalar numeric algorithm initializers that are not state: name -> (TrainingInfo index, value)."""
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    opsets = model_opsets(model.opset_import)
     found: dict[str, tuple[int, np.ndarray]] = {}
     repeated: set[str] = set()
     for index, info in enumerate(model.training_info):

@@ -32,7 +32,7 @@ from onnxtrain.translate.node import (
     sparse_to_dense,
 )
 from onnxtrain.translate.tensors import MAX_RANK, tensor_to_numpy
-from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.validation import check_graph, initializer_names
 from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
 
@@ -152,7 +152,7 @@ class Translator:
                           output=[ValueInfoProto(name=name) for name in function.output])
         check_graph(body, f"function {function.domain}::{function.name} (called by {label})")
         opsets = dict(self.opsets)
-        opsets.update({normalize_domain(o.domain): o.version for o in function.opset_import})
+        opsets.update(model_opsets(function.opset_import))
         self._calling.append(function)
         try:
             plan = self.plan(body, opsets=opsets, where=f"function {function.domain}::{function.name}")

@@ -34,7 +34,7 @@ from onnxtrain.translate.graph import (
 )
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.validation import check_graph
-from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.values import NeedsHostValues, is_traced, to_host
 
 logger = logging.getLogger("onnxtrain")
@@ -111,7 +111,7 @@ class TranslatedModel:
         self.jit = jit
         # Before anything runs: an invalid graph would run and answer wrongly.
         check_graph(model.graph)
-        opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+        opsets = model_opsets(model.opset_import)
         translator = Translator(opsets, model.functions)
         names = initializer_names(model.graph)
         self.supplied = set(supplied)

@@ -21,9 +21,21 @@ TRAINING_DOMAIN = "ai.onnx.preview.training"
 _DOMAIN_ALIASES = {("ai.onnx.preview", "Gradient"): TRAINING_DOMAIN}
 
 
+# Domains read at this version when a model does not import them: ONNX Runtime's contrib domain
+# has one version, which ONNX Runtime assumes, and its transformer optimizer's in-memory models
+# leave the import out.
+_IMPLIED_OPSETS = {"com.microsoft": 1}
+
+
 def normalize_domain(domain: str) -> str:
     """'' and 'ai.onnx' name the same default domain."""
     return DEFAULT_DOMAIN if domain in ("", "ai.onnx") else domain
+
+
+def model_opsets(opset_import: Iterable) -> dict[str, int]:
+    """Domain (normalized) -> version, from a model's or function's opset_import entries, with
+    the versions implied for domains it does not import (ONNX Runtime's contrib domain)."""
+    return {**_IMPLIED_OPSETS, **{normalize_domain(o.domain): o.version for o in opset_import}}
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.translate.graph import initializer_names
 # _host_only: the one definition of the values XLA cannot take (strings, 6-bit floats).
 from onnxtrain.translate.model import EagerSignatures, TranslatedModel, _host_only, static_input_names
-from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.registry import model_opsets
 from onnxtrain.translate.values import NeedsHostValues
 
 
 def _translated(model: ModelProto, graph: GraphProto, variables: Sequence[str], where: str) -> TranslatedModel:
     """The graph translated with the state variables it reads as parameters (`graph` may hold
     them as placeholders without data: they are never decoded here)."""
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    opsets = model_opsets(model.opset_import)
     present = set(initializer_names(graph))
     visible = [name for name in variables if name in present]
     shapes = sorted(static_input_names(graph, opsets) & set(visible))

@@ -9,7 +9,7 @@ from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain.proto import GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto
 from onnxtrain.proto.walk import iter_graphs
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
-from onnxtrain.translate.registry import normalize_domain, resolve
+from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.tensors import ELEMENT_TYPES, raw_size
 
 
@@ -66,7 +66,7 @@ def _graph_lines(label: str, graph: GraphProto, indent: str) -> list[str]:
 
 def unsupported_ops(model: ModelProto) -> list[str]:
     """'domain::op (opset N)' for every operator in any graph that onnxtrain cannot run."""
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    opsets = model_opsets(model.opset_import)
     functions = {(f.domain, f.name) for f in model.functions}
     missing = set()
     graphs = [graph for graph, _ in iter_graphs(model)]

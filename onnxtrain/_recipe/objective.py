@@ -22,7 +22,7 @@ from onnxtrain.proto import GraphProto, ModelProto, NodeProto
 from onnxtrain.proto.make import attribute, node
 from onnxtrain.translate.graph import graph_initializers, initializer_names
 from onnxtrain.translate.model import static_input_names
-from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.registry import model_opsets, normalize_domain
 from onnxtrain.translate.tensors import numpy_to_tensor
 
 logger = logging.getLogger("onnxtrain")
@@ -74,7 +74,7 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
             is a shape operand or a BatchNorm running statistic (neither can be trained).
     """
     values = graph_initializers(model.graph)
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    opsets = model_opsets(model.opset_import)
     excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
     candidates = [n for n, v in values.items() if v.dtype in FLOATS and n not in excluded]
     if trainable is None:

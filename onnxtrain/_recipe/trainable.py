@@ -34,7 +34,7 @@ import numpy as np
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
 from onnxtrain.translate.graph import graph_initializers
 from onnxtrain.translate.model import static_input_names
-from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.registry import model_opsets, normalize_domain
 from onnxtrain.proto.walk import iter_graph_tree
 
 FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
@@ -211,7 +211,7 @@ def trainable_set(model: ModelProto) -> TrainableSet:
     """
     graph = model.graph
     values = {name: value for name, value in graph_initializers(graph).items() if value.dtype in FLOATS}
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+    opsets = model_opsets(model.opset_import)
     static = static_input_names(graph, opsets)
     uses, producers = _consumers(graph), _producers(graph)
     weights, left_out = [], {}

@@ -643,3 +643,17 @@ def test_optimized_transformer_trains_with_the_unfused_gradients(optimized_expor
         expected = np.concatenate([unfused_grads[p] for p in parts], axis=-1)
         np.testing.assert_allclose(fused_grads[name], expected, rtol=0, atol=1e-5,
                                    err_msg=f"{family} {exporter}: {name} from {parts}")
+
+
+def test_contrib_domain_runs_without_its_opset_import():
+    """optimize_model's in-memory models use com.microsoft without importing it, and ONNX
+    Runtime runs them; so does onnxtrain, at the contrib domain's one version."""
+    import onnxtrain
+
+    graph = helper.make_graph([helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([-2.0, -0.5, 0.0, 1.5], np.float32)
+    assert onnxtrain.describe(model).count("not imported") == 0
+    np.testing.assert_allclose(onnxtrain.run(model, {"x": x})["y"], theirs(model, {"x": x})[0], rtol=1e-6, atol=1e-7)
