@@ -5,7 +5,8 @@ output for many families: transformers BERT, DistilBERT, RoBERTa, GPT-2, T5, ViT
 Wav2Vec2 built from tiny configs (no hub), torch.nn LSTM, GRU, a 1-D conv net, an
 autoencoder, a ResNet-style and a MobileNet-style CNN, and scikit-learn pipelines. Every
 torch family is exported with both torch exporters: "dynamo" (torch.onnx.export's default)
-and "torchscript" (dynamo=False); scikit-learn pipelines with skl2onnx.
+and "torchscript" (dynamo=False), the CNNs with BatchNorm also as "dynamo_unoptimized"
+(optimize=False, which keeps BatchNorm); scikit-learn pipelines with skl2onnx.
 
 Weights are random (fixed seeds) and every floating tensor is perturbed after construction,
 so no two parameters hold equal values: LayerNorm's ones and the zero biases would otherwise
@@ -33,6 +34,9 @@ import numpy as np
 OPSET = 18
 BATCH = 4
 TORCH_EXPORTERS = ("dynamo", "torchscript")
+# Both torch exporters fold BatchNorm into the convolutions by default; dynamo keeps it when
+# its graph optimizer is off, which is how a CNN exports for training with batch statistics.
+KEEP_BATCHNORM = "dynamo_unoptimized"
 
 
 @dataclass(frozen=True)
@@ -98,22 +102,19 @@ def _distinct(tensors) -> None:
             start += tensor.numel()
 
 
-class _Single:
-    """Wraps a transformers model so forward(*inputs) returns one tensor, named by `key`."""
+def _single(model, key: str, names: tuple[str, ...]):
+    """A transformers model as a module whose forward(*inputs) returns its output `key` alone."""
+    import torch
 
-    @staticmethod
-    def make(model, key: str, names: tuple[str, ...]):
-        import torch
+    class Single(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
 
-        class Single(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
+        def forward(self, *args):
+            return getattr(self.model(**dict(zip(names, args))), key)
 
-            def forward(self, *args):
-                return getattr(self.model(**dict(zip(names, args))), key)
-
-        return Single()
+    return Single()
 
 
 def _tokens(rng: np.random.Generator, length: int = 8) -> dict[str, np.ndarray]:
@@ -129,7 +130,7 @@ def _bert():
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
-    return _Single.make(BertModel(config, add_pooling_layer=False), "last_hidden_state",
+    return _single(BertModel(config, add_pooling_layer=False), "last_hidden_state",
                         ("input_ids", "attention_mask"))
 
 
@@ -138,7 +139,7 @@ def _distilbert():
 
     config = DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
                               max_position_embeddings=32, dropout=0.0, attention_dropout=0.0)
-    return _Single.make(DistilBertModel(config), "last_hidden_state", ("input_ids", "attention_mask"))
+    return _single(DistilBertModel(config), "last_hidden_state", ("input_ids", "attention_mask"))
 
 
 def _roberta():
@@ -147,7 +148,7 @@ def _roberta():
     config = RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0, pad_token_id=1)
-    return _Single.make(RobertaModel(config, add_pooling_layer=False), "last_hidden_state",
+    return _single(RobertaModel(config, add_pooling_layer=False), "last_hidden_state",
                         ("input_ids", "attention_mask"))
 
 
@@ -156,7 +157,7 @@ def _gpt2():
 
     config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return _Single.make(GPT2LMHeadModel(config), "logits", ("input_ids", "attention_mask"))
+    return _single(GPT2LMHeadModel(config), "logits", ("input_ids", "attention_mask"))
 
 
 def _t5():
@@ -166,7 +167,7 @@ def _t5():
     # transposed tensor), so the default attention does not export at all.
     config = T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
                       dropout_rate=0.0, decoder_start_token_id=0, use_cache=False, attn_implementation="eager")
-    return _Single.make(T5ForConditionalGeneration(config), "logits",
+    return _single(T5ForConditionalGeneration(config), "logits",
                         ("input_ids", "attention_mask", "decoder_input_ids"))
 
 
@@ -180,7 +181,7 @@ def _vit():
     config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
                        num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
                        attention_probs_dropout_prob=0.0)
-    return _Single.make(ViTForImageClassification(config), "logits", ("pixel_values",))
+    return _single(ViTForImageClassification(config), "logits", ("pixel_values",))
 
 
 def _wav2vec2():
@@ -192,7 +193,7 @@ def _wav2vec2():
                             feat_extract_norm="group", hidden_dropout=0.0, attention_dropout=0.0,
                             activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
                             mask_time_prob=0.0, apply_spec_augment=False)
-    return _Single.make(Wav2Vec2Model(config), "last_hidden_state", ("input_values",))
+    return _single(Wav2Vec2Model(config), "last_hidden_state", ("input_values",))
 
 
 def _recurrent(kind: str):
@@ -311,9 +312,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("gru", lambda: _recurrent("GRU"), _normal("x", BATCH, 5, 8)),
     Family("conv1d", _conv1d, _normal("x", BATCH, 4, 16), loss="cross_entropy", classes=3),
     Family("autoencoder", _autoencoder, _normal("x", BATCH, 16)),
-    Family("resnet", _resnet, _normal("x", BATCH, 3, 12, 12), loss="cross_entropy", classes=5, batchnorm=True),
+    Family("resnet", _resnet, _normal("x", BATCH, 3, 12, 12), loss="cross_entropy", classes=5, batchnorm=True,
+           exporters=(*TORCH_EXPORTERS, KEEP_BATCHNORM)),
     Family("mobilenet", _mobilenet, _normal("x", BATCH, 3, 12, 12), loss="cross_entropy", classes=5,
-           batchnorm=True),
+           batchnorm=True, exporters=(*TORCH_EXPORTERS, KEEP_BATCHNORM)),
     Family("sk_logistic_ml", _sklearn("logistic", False), _sklearn_inputs, exporters=("skl2onnx",),
            output="probabilities", notes="ai.onnx.ml ops: coefficients are attributes, nothing to train"),
     Family("sk_logistic", _sklearn("logistic", True), _sklearn_inputs, exporters=("skl2onnx",),
@@ -341,16 +343,18 @@ def batch(family: Family, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def export_torch(model, inputs: dict[str, np.ndarray], exporter: str, output: str) -> bytes:
-    """`model` (eval mode) exported by one torch exporter, with each exporter's defaults."""
+    """`model` (eval mode) exported by one torch exporter, with its defaults (KEEP_BATCHNORM:
+    dynamo with optimize=False)."""
     import torch
 
     args = tuple(torch.from_numpy(v) for v in inputs.values())
     buffer = io.BytesIO()
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
+        if exporter in ("dynamo", KEEP_BATCHNORM):
             program = torch.onnx.export(model, args, dynamo=True, input_names=list(inputs),
-                                        output_names=[output], opset_version=OPSET, verbose=False)
+                                        output_names=[output], opset_version=OPSET, verbose=False,
+                                        optimize=exporter == "dynamo")
             program.save(buffer)
         else:
             torch.onnx.export(model, args, buffer, dynamo=False, input_names=list(inputs),
@@ -372,7 +376,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder to write <family>-<exporter>.onnx/.npz into")
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="default: all")
-    parser.add_argument("--exporter", action="append", choices=[*TORCH_EXPORTERS, "skl2onnx"])
+    parser.add_argument("--exporter", action="append", choices=[*TORCH_EXPORTERS, KEEP_BATCHNORM, "skl2onnx"])
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     for name, exporter in cases():
