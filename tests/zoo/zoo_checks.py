@@ -229,9 +229,9 @@ def trace(initial: dict[str, np.ndarray], gradients: dict[str, np.ndarray],
     same value, and scatter-add its gradient there. Initializers not wholly made of parameter
     values are `constants`.
 
-    Among tens of thousands of random float32 values a few occur twice, so an element whose
-    value several parameters hold goes to one of the parameters the initializer's
-    unambiguous elements come from."""
+    export_zoo makes the parameters' values distinct; should a value still occur in several
+    parameters, the element goes to one of those the initializer's unambiguous elements
+    come from."""
     names = list(params)
     values = np.concatenate([params[n].ravel() for n in names]).astype(np.float32)
     owner = np.concatenate([np.full(params[n].size, i) for i, n in enumerate(names)])
