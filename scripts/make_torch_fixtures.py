@@ -4,7 +4,7 @@ onnxtrain's promise is fine-tuning models someone else exported, so the tests
 need real exporter output (its names, transposed weights, shape arithmetic,
 BatchNormalization and LayerNormalization nodes) and numbers computed by the
 framework that made it. This dev-only script (torch and scikit-learn are never
-test or runtime dependencies) writes, deterministically (fixed seeds, one CPU
+runtime dependencies; the tests read its committed output) writes, deterministically (fixed seeds, one CPU
 thread, deterministic algorithms):
 
 - tests/fixtures/digits.npz: the 8x8 digits (UCI, CC BY 4.0: see SOURCE),
