@@ -1,0 +1,106 @@
+"""Every op handler gives the same answer whether an operand is a constant or computed.
+
+The ONNX backend node cases feed every input as a graph input. support.operand_sources reruns
+them under jax.jit with each input in turn a Constant node (the others computed) or computed
+from a graph input (the others Constant nodes), and compares with the case's expected
+outputs; an input the op declares static (OpHandler.static_inputs) must, when computed, stop
+the trace with NeedsHostValues naming it, and then give the expected outputs op by op.
+
+The quick run takes, for every operator, the first case that uses it with each of its mixes
+of constant and computed inputs (all computed is the conformance run's own); the slow run
+adds an evenly spread sample of the remaining combinations (`python -m support.operand_sources`
+from tests/ runs them all).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+
+from support.backend_cases import BackendCase, cases, expected_failures
+from support.operand_sources import Combination, Outcome, all_traced, combinations, run_all
+
+# Cases whose folded (all-constant) run differs from the expected values for a reason other
+# than operand sources: case name -> why.
+KNOWN_DIFFERENCES = {
+    "test_dynamicquantizelinear": "x / scale lands on a rounding tie (-127.5 or -127.49999): XLA:CPU's "
+                                  "float32 division, which rounds it up, differs from numpy's correctly "
+                                  "rounded one, and whether the program divides or multiplies by the "
+                                  "reciprocal depends on how it is compiled",
+}
+
+# One in this many of the combinations beyond the quick run's are sampled by the slow run.
+SLOW_SAMPLE_EVERY = 15
+
+
+@functools.cache
+def _node_cases() -> list[BackendCase]:
+    """The node cases the conformance run passes, but function-expanded twins."""
+    known = expected_failures()
+    return [case for case in cases("node") if "_expanded" not in case.name and case.id not in known]
+
+
+@functools.cache
+def _selected() -> tuple[list[Combination], list[Combination]]:
+    """(quick, slow) combinations. Quick: for every operator, the first case using it that
+    has a combination, with its first combination that is not the all-computed one (the
+    first input constant, the others computed; a one-input op folded on the host)."""
+    first: dict[tuple[str, str], BackendCase] = {}
+    for case in _node_cases():
+        for operator in sorted(case.operators()):
+            if operator not in first and combinations(case):
+                first[operator] = case
+    firsts = {case.id for case in first.values()}
+    quick: list[Combination] = []
+    rest: list[Combination] = []
+    for case in _node_cases():
+        chosen = None
+        if case.id in firsts:
+            chosen = next((c for c in combinations(case) if not all_traced(c)), combinations(case)[0])
+            quick.append(chosen)
+        rest.extend(c for c in combinations(case) if c != chosen)
+    return quick, rest[::SLOW_SAMPLE_EVERY]
+
+
+def _params() -> list:
+    quick, slow = _selected()
+    return ([pytest.param(c, id=c.id, marks=_known(c)) for c in quick]
+            + [pytest.param(c, id=c.id, marks=[pytest.mark.slow, *_known(c)]) for c in slow])
+
+
+def _known(combination: Combination) -> list:
+    reason = KNOWN_DIFFERENCES.get(combination.case.name)
+    return [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallback_warnings():
+    """Cases whose inputs must be constant fall back to op by op, which logs a warning each."""
+    logger = logging.getLogger("onnxtrain")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@functools.cache
+def _outcomes(slow: bool) -> dict[Combination, Outcome]:
+    """Every selected combination's outcome, run together (see run_all) on first use."""
+    quick, sampled = _selected()
+    return run_all(sampled if slow else quick)
+
+
+@pytest.mark.parametrize("combination", _params())
+def test_operand_from_either_source(combination):
+    quick, _ = _selected()
+    outcome = _outcomes(combination not in quick)[combination]
+    assert outcome.status != "fail", outcome.detail
+
+
+def test_the_quick_run_covers_every_operator_the_sweep_can_vary():
+    quick, _ = _selected()
+    operators = {op for case in _node_cases() if combinations(case) for op in case.operators()}
+    assert operators == {op for combination in quick for op in combination.case.operators()}
+    assert len(operators) > 150   # the node cases cover most operators
