@@ -101,9 +101,10 @@ def combinations(case: BackendCase) -> tuple[Combination, ...]:
     return tuple(found)
 
 
-def all_traced(combination: Combination) -> bool:
-    """True when no input of the combination is constant: the case as the conformance run has it."""
-    return not constant_inputs(combination)
+def mixes(combination: Combination) -> bool:
+    """True when the combination has both constant and computed inputs."""
+    constant = constant_inputs(combination)
+    return bool(constant) and len(constant) < len(_profile(combination.case).inputs)
 
 
 def constant_inputs(combination: Combination) -> frozenset[int]:
