@@ -47,8 +47,8 @@ class Combination:
 
 @dataclass
 class Outcome:
-    """What a combination did: "ok", "host" (raised NeedsHostValues, then matched op by op), or
-    "fail" with why."""
+    """What a combination did: "ok", "host" (raised NeedsHostValues, then matched op by op; the
+    detail says why), or "fail" with why."""
 
     combination: Combination
     status: str
@@ -78,7 +78,9 @@ class _Profile:
 def _profile(case: BackendCase) -> _Profile:
     generated = _generated(case.suite)[case.name]
     inputs, expected = generated.data_sets[0]
-    return _Profile([decoded(v) for v in inputs], [decoded(v) for v in expected],
+    # Some cases give scalars as numpy scalars, which are tensors all the same.
+    inputs = [np.asarray(v) if isinstance(v, np.generic) else v for v in map(decoded, inputs)]
+    return _Profile(inputs, [decoded(v) for v in expected],
                     [info.name for info in generated.model.graph.input], static_names(generated.model))
 
 
@@ -251,7 +253,8 @@ def _trace(combination: Combination) -> _Traced | Outcome:
             if static and repr(varied) not in str(reason):
                 return Outcome(combination, "fail", f"NeedsHostValues does not name {varied!r}: {reason}")
             outputs = translated(translated.params, feeds, key)
-            return _compared(combination, [outputs[name] for name in translated.output_names], "host")
+            return _compared(combination, [outputs[name] for name in translated.output_names], "host",
+                             str(reason))
     except Exception as error:  # noqa: BLE001 - every failure is an outcome to report
         return Outcome(combination, "fail", f"{type(error).__name__}: {str(error)[:400]}")
     if static:
@@ -259,8 +262,9 @@ def _trace(combination: Combination) -> _Traced | Outcome:
     return _Traced(combination, closed, shapes, jax.tree_util.tree_leaves(arguments), translated.output_names)
 
 
-def _compared(combination: Combination, actual: list[Any], status: str) -> Outcome:
-    """`status` when the outputs match the case's expected ones, else a failure saying how."""
+def _compared(combination: Combination, actual: list[Any], status: str, detail: str = "") -> Outcome:
+    """`status` (and `detail`) when the outputs match the case's expected ones, else a failure
+    saying how."""
     generated = _generated(combination.case.suite)[combination.case.name]
     expected = _profile(combination.case).expected
     try:
@@ -270,7 +274,7 @@ def _compared(combination: Combination, actual: list[Any], status: str) -> Outco
                            generated.rtol, generated.atol, f"output {index}")
     except AssertionError as error:
         return Outcome(combination, "fail", f"AssertionError: {str(error)[:400]}")
-    return Outcome(combination, status)
+    return Outcome(combination, status, detail)
 
 
 def onnx_model(model: onnx.ModelProto) -> Any:
@@ -298,8 +302,9 @@ def main() -> int:
     counts: Counter = Counter()
     for combination, outcome in run_all(selected).items():
         counts[outcome.status] += 1
-        if outcome.status == "fail":
-            print(f"FAIL {combination.id}: {outcome.detail.splitlines()[0][:300]}", flush=True)
+        if outcome.status != "ok":
+            first_line = (outcome.detail.splitlines() or [""])[0]
+            print(f"{outcome.status.upper()} {combination.id}: {first_line[:300]}", flush=True)
     print(f"{sum(counts.values())} combinations: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     return 1 if counts["fail"] else 0
 
