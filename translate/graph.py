@@ -34,7 +34,7 @@ from onnxtrain.translate.node import (
 from onnxtrain.translate.tensors import MAX_RANK, tensor_to_numpy
 from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.validation import check_graph, initializer_names
-from onnxtrain.translate.values import NeedsHostValues, is_host, to_host
+from onnxtrain.translate.values import NeedsHostValues, as_operands, is_host, mixes_traced, to_host
 
 
 @dataclass
@@ -227,6 +227,9 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
                 spec.label,
                 f"needs input {index} ({spec.proto.input[index]!r}) known before running, "
                 f"but it is computed from graph inputs")
+    if not host and not spec.subgraphs and mixes_traced(inputs):
+        # Not control flow, which passes values on to subgraphs whose nodes decide for themselves.
+        inputs = as_operands(inputs, spec.static_inputs)
     node = Node(spec, evaluation, scope, host)
     if host and not spec.random:
         with jax.ensure_compile_time_eval():

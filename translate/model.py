@@ -35,7 +35,7 @@ from onnxtrain.translate.graph import (
 from onnxtrain.translate.node import Evaluation
 from onnxtrain.translate.validation import check_graph
 from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
-from onnxtrain.translate.values import NeedsHostValues, is_traced, to_host
+from onnxtrain.translate.values import HOST_ONLY_DTYPES, NeedsHostValues, is_traced, to_host
 
 logger = logging.getLogger("onnxtrain")
 
@@ -61,17 +61,14 @@ def _is_float(array: np.ndarray) -> bool:
     return array.dtype in _PARAMETER_DTYPES
 
 
-# Element types XLA cannot hold: strings, and the 6-bit floats (no XLA primitive yet).
-_HOST_ONLY_DTYPES = {np.dtype(ml_dtypes.float6_e2m3fn), np.dtype(ml_dtypes.float6_e3m2fn)}
-
-
 def _host_only(value: Any) -> bool:
-    """True for values that cannot enter or leave a jitted function."""
+    """True for values that cannot enter or leave a jitted function: strings, maps, and
+    element types XLA cannot hold."""
     if isinstance(value, (list, tuple)):
         return any(_host_only(item) for item in value)
     if isinstance(value, dict):
         return True
-    return isinstance(value, np.ndarray) and (value.dtype.kind in "OUS" or value.dtype in _HOST_ONLY_DTYPES)
+    return isinstance(value, np.ndarray) and (value.dtype.kind in "OUS" or value.dtype in HOST_ONLY_DTYPES)
 
 
 def _signature(inputs: Mapping[str, Any]) -> Any:

@@ -11,13 +11,17 @@ import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import onnx
 
 DATA_ROOT = Path(onnx.__file__).parent / "backend" / "test" / "data"
 FOLDER_SUITES = ("simple", "pytorch-converted", "pytorch-operator", "light")
 GENERATED_SUITES = ("node", "model")
 SUITES = GENERATED_SUITES + FOLDER_SUITES
+# The cases onnxtrain is known to fail, one file per op family (see the README there).
+EXPECTED_FAILURES = Path(__file__).resolve().parents[1] / "translate" / "conformance_expected_failures"
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,56 @@ def quick_case_ids(cases: list[BackendCase]) -> set[str]:
             seen.add(operators)
             quick.add(case.id)
     return quick
+
+
+def expected_failures() -> dict[str, str]:
+    """case id -> reason, from the committed lists (`suite/name  # reason` per line)."""
+    failures = {}
+    for listing in sorted(EXPECTED_FAILURES.glob("*.txt")):
+        for line in listing.read_text().splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            case_id, _, reason = line.partition("#")
+            failures[case_id.strip()] = reason.strip()
+    return failures
+
+
+def decoded(value: Any) -> Any:
+    """Generated cases hold some values as onnx protos; the runner wants numpy/lists/None."""
+    import onnx
+    from onnx import numpy_helper
+
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, onnx.SequenceProto):
+        return numpy_helper.to_list(value)
+    if isinstance(value, onnx.OptionalProto):
+        return numpy_helper.to_optional(value)
+    if isinstance(value, (list, tuple)):
+        return [decoded(item) for item in value]
+    return value
+
+
+def assert_similar(expected: Any, actual: Any, rtol: float, atol: float, where: str = "output") -> None:
+    """onnx's backend comparison: same structure, shape and dtype; values within tolerance."""
+    if isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)), f"{where}: expected a sequence, got {type(actual)}"
+        assert len(actual) == len(expected), f"{where}: sequence length {len(actual)} != {len(expected)}"
+        for index, (e, a) in enumerate(zip(expected, actual)):
+            assert_similar(e, a, rtol, atol, f"{where}[{index}]")
+        return
+    if expected is None:
+        assert actual is None, f"{where}: expected an empty optional, got {type(actual)}"
+        return
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != expected {expected.shape}"
+    if expected.dtype == object or expected.dtype.kind in "US":
+        np.testing.assert_array_equal(actual.astype(object), expected.astype(object), err_msg=where)
+        return
+    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != expected {expected.dtype}"
+    if expected.dtype.kind not in "fcbiu":  # ml_dtypes floats: compare as float32
+        rtol = max(rtol, 2**-6) if expected.dtype.name == "bfloat16" else rtol
+        expected, actual = expected.astype(np.float32), actual.astype(np.float32)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=where)

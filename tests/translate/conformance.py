@@ -35,25 +35,21 @@ import numpy as np
 if __name__ == "__main__":  # run as a command: the support package is in tests/, one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from support.backend_cases import DATA_ROOT, GENERATED_SUITES, SUITES, BackendCase, _generated, cases  # noqa: E402
+from support.backend_cases import (  # noqa: E402
+    DATA_ROOT,
+    GENERATED_SUITES,
+    SUITES,
+    BackendCase,
+    _generated,
+    assert_similar,
+    cases,
+    decoded,
+    expected_failures,
+)
 
-EXPECTED_FAILURES = Path(__file__).parent / "conformance_expected_failures"
 # Backend cases feed shapes and axes as graph inputs, so many run op by op on purpose.
 logging.getLogger("onnxtrain").setLevel(logging.ERROR)
 LIGHT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
-
-
-def expected_failures() -> dict[str, str]:
-    """case id -> reason, from the committed lists (`suite/name  # reason` per line)."""
-    failures = {}
-    for listing in sorted(EXPECTED_FAILURES.glob("*.txt")):
-        for line in listing.read_text().splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            case_id, _, reason = line.partition("#")
-            failures[case_id.strip()] = reason.strip()
-    return failures
 
 
 def _load_value(path: Path, value_type: Any) -> Any:
@@ -68,27 +64,11 @@ def _load_value(path: Path, value_type: Any) -> Any:
     return numpy_helper.to_array(onnx.TensorProto.FromString(data))
 
 
-def _decoded(value: Any) -> Any:
-    """Generated cases hold some values as onnx protos; the runner wants numpy/lists/None."""
-    import onnx
-    from onnx import numpy_helper
-
-    if isinstance(value, onnx.TensorProto):
-        return numpy_helper.to_array(value)
-    if isinstance(value, onnx.SequenceProto):
-        return numpy_helper.to_list(value)
-    if isinstance(value, onnx.OptionalProto):
-        return numpy_helper.to_optional(value)
-    if isinstance(value, (list, tuple)):
-        return [_decoded(item) for item in value]
-    return value
-
-
 def data_sets(case: BackendCase, model: Any) -> tuple[list[tuple[list, list]], float, float]:
     """[(inputs, expected outputs)], rtol, atol for a case."""
     if case.suite in GENERATED_SUITES:
         generated = _generated(case.suite)[case.name]
-        sets = [([_decoded(v) for v in i], [_decoded(v) for v in o]) for i, o in generated.data_sets]
+        sets = [([decoded(v) for v in i], [decoded(v) for v in o]) for i, o in generated.data_sets]
         return sets, generated.rtol, generated.atol
     if case.suite == "light":
         return _light_data(case, model), LIGHT_TOLERANCE["rtol"], LIGHT_TOLERANCE["atol"]
@@ -121,30 +101,6 @@ def _light_data(case: BackendCase, model: Any) -> list[tuple[list, list]]:
     session = onnxruntime.InferenceSession(str(case.model_path()), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     return [(inputs, session.run(None, dict(zip(names, inputs))))]
-
-
-def assert_similar(expected: Any, actual: Any, rtol: float, atol: float, where: str = "output") -> None:
-    """onnx's backend comparison: same structure, shape and dtype; values within tolerance."""
-    if isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)), f"{where}: expected a sequence, got {type(actual)}"
-        assert len(actual) == len(expected), f"{where}: sequence length {len(actual)} != {len(expected)}"
-        for index, (e, a) in enumerate(zip(expected, actual)):
-            assert_similar(e, a, rtol, atol, f"{where}[{index}]")
-        return
-    if expected is None:
-        assert actual is None, f"{where}: expected an empty optional, got {type(actual)}"
-        return
-    expected = np.asarray(expected)
-    actual = np.asarray(actual)
-    assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != expected {expected.shape}"
-    if expected.dtype == object or expected.dtype.kind in "US":
-        np.testing.assert_array_equal(actual.astype(object), expected.astype(object), err_msg=where)
-        return
-    assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != expected {expected.dtype}"
-    if expected.dtype.kind not in "fcbiu":  # ml_dtypes floats: compare as float32
-        rtol = max(rtol, 2**-6) if expected.dtype.name == "bfloat16" else rtol
-        expected, actual = expected.astype(np.float32), actual.astype(np.float32)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=where)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onnxtrain.translate.tensors import ELEMENT_TYPES, MAX_RANK, host_size_problem, shape_problem
+from onnxtrain.translate.values import known_value
 
 
 def numpy_dtype(onnx_type: int) -> np.dtype:
@@ -32,10 +33,11 @@ def float_attr(node: Any, name: str, default: float) -> float:
 
 def host_ints(node: Any, value: Any, what: str) -> list[int]:
     """A host-constant integer tensor as a list of Python ints (shapes, axes, pads...)."""
-    if not isinstance(value, np.ndarray):
+    known = known_value(value)
+    if known is None:
         raise node.error(f"{what} must be known before running (a constant or computed from "
                          f"shapes), but it is computed from graph inputs")
-    return [int(v) for v in np.asarray(value).reshape(-1)]
+    return [int(v) for v in known.reshape(-1)]
 
 
 def shape_input(node: Any, value: Any, what: str) -> list[int]:

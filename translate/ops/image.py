@@ -19,7 +19,7 @@ import numpy as np
 
 from onnxtrain.translate.ops.common import host_ints, normalize_axes
 from onnxtrain.translate.registry import op
-from onnxtrain.translate.values import NeedsHostValues
+from onnxtrain.translate.values import NeedsHostValues, known_value
 
 # ---------------------------------------------------------------------------
 # Resize: coordinates, taps and the per-axis resampling
@@ -519,7 +519,8 @@ def roi_geometry(node: Any, rois: Any, half_pixel: bool, bins: Sequence[int]) ->
     the rois must be host values then.
     """
     ratio = node.attr("sampling_ratio", 0)
-    xp = np if isinstance(rois, np.ndarray) else jnp
+    known = known_value(rois)
+    rois, xp = (known, np) if known is not None else (rois, jnp)
     if ratio <= 0 and xp is jnp:
         raise NeedsHostValues(node.label, "with sampling_ratio 0 samples each roi adaptively, "
                                           "which needs the roi coordinates known")

@@ -21,16 +21,18 @@ from jax import lax
 from onnxtrain.translate.ops.common import host_ints, normalize_axis
 from onnxtrain.translate.ops.shape import array_module, checked_axis
 from onnxtrain.translate.registry import op
-from onnxtrain.translate.values import NeedsHostValues
+from onnxtrain.translate.values import NeedsHostValues, known_value
 
 
 def wrap_indices(node: Any, indices: Any, dims: Any) -> Any:
     """Indices with negatives counted from the end of axes of size `dims` (broadcast).
 
-    Host indices stay numpy and must lie in [-dims, dims); traced ones are not checked.
+    Known indices (see known_value) become numpy and must lie in [-dims, dims); traced ones
+    are not checked.
     """
-    if isinstance(indices, np.ndarray):
-        indices = indices.astype(np.int64)
+    known = known_value(indices)
+    if known is not None:
+        indices = known.astype(np.int64)
         outside = (indices < -np.asarray(dims)) | (indices >= np.asarray(dims))
         if np.any(outside):
             raise node.error(f"index {indices[outside][0]} is out of range for an axis of size "
@@ -172,9 +174,9 @@ def tensor_scatter(node: Any, past_cache: Any, update: Any, write_indices: Any =
                          f"along axis {axis}")
     if write_indices is None:
         write_indices = np.zeros(cache_shape[0], np.int64)
-    if (mode == "linear" and isinstance(write_indices, np.ndarray)
-            and np.any(write_indices + update_shape[axis] > cache_shape[axis])):
-        raise node.error(f"write_indices {write_indices.tolist()} plus {update_shape[axis]} new "
+    known = known_value(write_indices)
+    if mode == "linear" and known is not None and np.any(known + update_shape[axis] > cache_shape[axis]):
+        raise node.error(f"write_indices {known.tolist()} plus {update_shape[axis]} new "
                          f"entries overrun the cache length {cache_shape[axis]} in linear mode")
     coordinates = list(jnp.indices(update_shape, sparse=True))
     starts = jnp.reshape(write_indices, (-1,) + (1,) * (rank - 1))

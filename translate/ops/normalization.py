@@ -24,6 +24,7 @@ from onnxtrain.translate.node import Node
 from onnxtrain.translate.ops.common import float_attr, normalize_axis, numpy_dtype
 from onnxtrain.translate.ops.reduce import compute_dtype, widened
 from onnxtrain.translate.registry import op
+from onnxtrain.translate.values import known_value
 
 AxisFunction = Callable[[jax.Array, int], jax.Array]
 
@@ -424,10 +425,11 @@ def dropout(node: Node, data: ArrayLike, ratio: ArrayLike | None = None,
     mask ~ Bernoulli(1 - ratio) (default ratio 0.5); identity otherwise. The mask comes
     from the run's PRNG key; the `seed` attribute is not used."""
     ratio = 0.5 if ratio is None else ratio
+    known = None if training_mode is None else known_value(training_mode)
     if training_mode is None:
         training = False
-    elif isinstance(training_mode, np.ndarray):
-        training = bool(training_mode)
+    elif known is not None:
+        training = bool(known)
     else:
         training = jnp.asarray(training_mode, bool).reshape(())
     return _dropout(node, data, ratio, training, np.bool_)

@@ -17,6 +17,7 @@ import numpy as np
 from onnxtrain.translate.node import Node
 from onnxtrain.translate.ops.common import host_ints, normalize_axis
 from onnxtrain.translate.registry import op
+from onnxtrain.translate.values import known_value
 
 # ---------------------------------------------------------------------------
 # Positions
@@ -69,8 +70,9 @@ def sequence_length(node: Node, sequence: list) -> np.ndarray:
 def sequence_at(node: Node, sequence: list, position: Any) -> Any:
     """The element at `position` (negative counts from the end)."""
     sequence = _sequence(node, sequence)
-    if isinstance(position, np.ndarray):
-        return sequence[_position(node, position, len(sequence), allow_end=False)]
+    known = known_value(position)
+    if known is not None:
+        return sequence[_position(node, known, len(sequence), allow_end=False)]
     if not sequence or not _uniform(sequence):
         raise node.error("needs its position known before running (a constant or computed from "
                          "shapes) unless all elements share one shape and dtype")
