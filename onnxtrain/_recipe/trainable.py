@@ -167,6 +167,8 @@ def _role(use: _Use, value: np.ndarray, static: set[str], producers: Mapping[str
         return f"only its shape is read, by {op_type}"
     if op_type in _COMPARISONS:
         return f"operand of {op_type}"
+    if _group_norm_identity(use, value, producers):
+        return f"unit scale or zero shift of a GroupNorm written as {op_type}"
     if index in _WEIGHT_POSITIONS.get(op_type, ()) or (op_type in _TABLE_READERS and index == 0):
         return None
     long_axes = sum(size > 1 for size in value.shape)
@@ -178,6 +180,17 @@ def _role(use: _Use, value: np.ndarray, static: set[str], producers: Mapping[str
         # An exporter folds an attention mask without padding into zeros of the scores' shape.
         return f"all-zero mask of {op_type}"
     return None
+
+
+def _group_norm_identity(use: _Use, value: np.ndarray, producers: Mapping[str, NodeProto]) -> bool:
+    """Whether `value` is the ones (scale) or zeros (shift) of an InstanceNormalization that an
+    exporter wrote for GroupNorm: reshaped input, normalized per group, with the module's own
+    scale and shift applied afterwards by Mul and Add (torch's dynamo exporter does this)."""
+    if use.node.op_type != "InstanceNormalization" or use.index not in (1, 2):
+        return False
+    source = producers.get(use.node.input[0])
+    identity = 1.0 if use.index == 1 else 0.0
+    return source is not None and source.op_type == "Reshape" and bool(np.all(value == identity))
 
 
 def _is_mask(value: np.ndarray) -> bool:

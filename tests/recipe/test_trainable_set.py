@@ -231,3 +231,28 @@ def test_inspect_prints_the_default_trainable_set(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "default trainable set: 2 of 7 float initializers; left out:" in out
     assert "    three: exponent of Pow" in out
+
+
+def test_group_norm_written_as_instance_norm_trains_only_the_module_affine():
+    """torch's dynamo exporter writes GroupNorm as Reshape -> InstanceNormalization(ones,
+    zeros) -> Reshape -> Mul(gamma) -> Add(beta): the ones and zeros are its constants, gamma
+    and beta the module's weights. An InstanceNormalization on its own keeps its affine."""
+    groups, channels = 2, 4
+    nodes = [helper.make_node("Reshape", ["x", "grouped"], ["g"]),
+             helper.make_node("InstanceNormalization", ["g", "ones", "zeros"], ["n"]),
+             helper.make_node("Reshape", ["n", "back"], ["r"]),
+             helper.make_node("Mul", ["r", "gamma"], ["m"]),
+             helper.make_node("Add", ["m", "beta"], ["y"])]
+    weights = {"grouped": np.array([2, groups, -1], np.int64), "back": np.array([2, channels, 3], np.int64),
+               "ones": np.ones(groups, np.float32), "zeros": np.zeros(groups, np.float32),
+               "gamma": _f32(channels, 1), "beta": _f32(channels, 1)}
+    chosen = trainable_set(_model(nodes, weights, inputs=(("x", [2, channels, 3]),)))
+    assert chosen.weights == ["gamma", "beta"]
+    assert set(chosen.left_out) >= {"ones", "zeros"}
+    assert "GroupNorm" in chosen.left_out["ones"]
+
+    alone = [helper.make_node("InstanceNormalization", ["x", "ones", "zeros"], ["y"])]
+    chosen = trainable_set(_model(alone, {"ones": np.ones(channels, np.float32),
+                                          "zeros": np.zeros(channels, np.float32)},
+                                  inputs=(("x", [2, channels, 3]),)))
+    assert chosen.weights == ["ones", "zeros"]
