@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -65,9 +66,11 @@ class Worker:
     """One side's resident lockstep.py process."""
 
     def __init__(self, python: Path, task: dict):
+        # No persistent compilation cache: a side that found its programs there would skip the
+        # compiler's memory peak, and its peak RSS would not compare with the other's.
         self.process = subprocess.Popen([str(python), str(BENCH / "systems" / "lockstep.py"), json.dumps(task)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+                                        text=True, env={**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"})
         self.ready = self._answer()
 
     def _answer(self) -> dict:
