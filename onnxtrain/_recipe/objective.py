@@ -73,15 +73,16 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
         BindingError: a name that is not a float initializer of the main graph, or one that
             is a shape operand or a BatchNorm running statistic (neither can be trained).
     """
-    values = graph_initializers(model.graph)
-    opsets = model_opsets(model.opset_import)
-    excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
-    candidates = [n for n, v in values.items() if v.dtype in FLOATS and n not in excluded]
     if trainable is None:
         chosen = trainable_set(model)
         if log:
             logger.info("%s (pass trainable= to choose)", chosen.summary())
         return chosen.weights
+    # Only an explicit choice needs the candidates (trainable_set decodes the weights itself).
+    values = graph_initializers(model.graph)
+    opsets = model_opsets(model.opset_import)
+    excluded = static_input_names(model.graph, opsets) | _batchnorm_statistics(model.graph)
+    candidates = [n for n, v in values.items() if v.dtype in FLOATS and n not in excluded]
     if callable(trainable):
         return [n for n in candidates if trainable(n, values[n])]
     names = list(trainable)
