@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from onnxtrain._recipe.objective import FLOATS, Names, default_opset
+from onnxtrain._recipe.trainable import producer_of
 from onnxtrain.errors import BindingError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 from onnxtrain.proto.make import node as make_node
@@ -115,10 +116,6 @@ def _consumers(graph: GraphProto) -> dict[str, list[NodeProto]]:
     return users
 
 
-def _producers(graph: GraphProto) -> dict[str, NodeProto]:
-    return {name: item for item in graph.node for name in item.output}
-
-
 def _is(item: NodeProto, *op_types: str) -> bool:
     return item.op_type in op_types and normalize_domain(item.domain) == ""
 
@@ -142,7 +139,7 @@ def detect(model: ModelProto) -> list[Finding]:
 def folded_convolutions(graph: GraphProto) -> list[NodeProto]:
     """The Conv nodes BatchNorm would follow in a torchvision-style CNN: all but those fed by
     global pooling (squeeze-and-excitation blocks, classifier heads), which have none."""
-    producers = _producers(graph)
+    producers = producer_of(graph)
 
     def pooled(name: str) -> bool:
         item = producers.get(name)
@@ -243,7 +240,7 @@ def merged_weights(graph: GraphProto, values: dict[str, np.ndarray] | None = Non
     separate parameters that happened to be equal (TorchScript reads them through Identity
     nodes named as the parameters were). Scalars are shared constants by nature and never count."""
     values = graph_initializers(graph) if values is None else values
-    producers = _producers(graph)
+    producers = producer_of(graph)
     uses: dict[str, list[tuple[NodeProto, int]]] = {}
     for item in graph.node:
         if _is(item, "Identity"):
@@ -442,7 +439,7 @@ def untie(model: ModelProto) -> list[str]:
     graph = model.graph
     values = graph_initializers(graph)
     merged = merged_weights(graph, values)
-    producers, fresh = _producers(graph), Names(graph)
+    producers, fresh = producer_of(graph), Names(graph)
     made, aliases = [], set()
     for root, uses in merged.items():
         root_kept = False
@@ -594,7 +591,7 @@ def insert_batchnorm(model: ModelProto) -> list[str]:
     if default_opset(model) < 14:
         raise BindingError("insert_batchnorm needs ai.onnx opset 14 or newer (training-mode "
                            "BatchNormalization); the model imports an older one")
-    values, producers = graph_initializers(graph), _producers(graph)
+    values, producers = graph_initializers(graph), producer_of(graph)
     fresh = Names(graph)
     targets = {item.output[0] for item in folded_convolutions(graph)}
     nodes, done = [], []

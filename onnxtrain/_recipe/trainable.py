@@ -114,7 +114,8 @@ def _consumers(graph: GraphProto) -> dict[str, list[_Use]]:
     return uses
 
 
-def _producers(graph: GraphProto) -> dict[str, NodeProto]:
+def producer_of(graph: GraphProto) -> dict[str, NodeProto]:
+    """Output name -> the node of `graph` computing it (optional outputs left unnamed skipped)."""
     return {name: item for item in graph.node for name in item.output if name}
 
 
@@ -226,7 +227,7 @@ def trainable_set(model: ModelProto) -> TrainableSet:
     values = {name: value for name, value in graph_initializers(graph).items() if value.dtype in FLOATS}
     opsets = model_opsets(model.opset_import)
     static = static_input_names(graph, opsets)
-    uses, producers = _consumers(graph), _producers(graph)
+    uses, producers = _consumers(graph), producer_of(graph)
     weights, left_out = [], {}
     for name, value in values.items():
         reason = _reason(name, value, static, uses, producers)
