@@ -125,12 +125,17 @@ def mish(node: Node, x: ArrayLike) -> ArrayLike:
     return x * jnp.tanh(jax.nn.softplus(x))
 
 
+def erf_gelu(x: ArrayLike) -> ArrayLike:
+    """x * Phi(x) with the exact normal CDF (ONNX Gelu and ONNX Runtime's contrib Gelu)."""
+    return x * (0.5 * (1 + jax.lax.erf(x * math.sqrt(0.5))))
+
+
 @op("Gelu", since=20)
 def gelu(node: Node, x: ArrayLike) -> ArrayLike:
     """X * Phi(X) with the exact normal CDF (approximate='none') or its tanh approximation."""
     approximate = node.attr("approximate", "none")
     if approximate == "none":
-        return x * (0.5 * (1 + jax.lax.erf(x * math.sqrt(0.5))))
+        return erf_gelu(x)
     if approximate == "tanh":
         inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
         return x * (0.5 * (1 + jnp.tanh(inner)))

@@ -11,13 +11,12 @@ optimizer replaced. Statistics of 16-bit floats are computed in float32.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from onnxtrain.translate.node import Node
+from onnxtrain.translate.ops.activation import erf_gelu
 from onnxtrain.translate.ops.common import float_attr, normalize_axis
 from onnxtrain.translate.ops.normalization import layer_normalization
 from onnxtrain.translate.ops.reduce import widened
@@ -163,20 +162,16 @@ def embed_layer_normalization(node: Node, input_ids: ArrayLike, segment_ids: Arr
 # GELU family and BiasAdd
 
 
-def _erf_gelu(x: jax.Array) -> jax.Array:
-    return x * (0.5 * (1 + jax.lax.erf(x * math.sqrt(0.5))))
-
-
 @op("Gelu", since=1, domain=MICROSOFT_DOMAIN)
 def gelu(node: Node, x: ArrayLike) -> jax.Array:
     """x * Phi(x) with the exact normal CDF."""
-    return _erf_gelu(jnp.asarray(x))
+    return erf_gelu(jnp.asarray(x))
 
 
 @op("BiasGelu", since=1, domain=MICROSOFT_DOMAIN)
 def bias_gelu(node: Node, a: ArrayLike, b: ArrayLike) -> jax.Array:
     """Gelu(A + B), B a bias along the last axis."""
-    return _erf_gelu(jnp.asarray(a) + b)
+    return erf_gelu(jnp.asarray(a) + b)
 
 
 @op("FastGelu", since=1, domain=MICROSOFT_DOMAIN)
