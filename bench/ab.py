@@ -8,11 +8,14 @@ Why lockstep: on a shared machine a process's speed drifts by tens of percent ov
 so medians of separate processes (or separate runs) cannot resolve a few percent. Here both
 sides' workers are resident and warm, and take turns: a pair is one block of steps on each
 side, back to back, the order alternating from pair to pair; a block lasts about --block-s
-seconds. The ratio reported is the median over pairs of (this block / base block), with a
-distribution-free 95 % interval for that median; peak RSS is each worker's own high-water mark.
+seconds. A row runs --processes such lockstep runs one after the other, each with fresh
+workers, since a process keeps for life the speed it happened to start with. The ratio
+reported is the median over all pairs of (this block / base block), with a distribution-free
+95 % interval for that median, and each run's own median beside it; peak RSS is the highest
+worker high-water mark of each side.
 
 Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 41] [--block-s 0.25] [--row-s 120]
-           [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
+           [--processes 4] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
            [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
 """
@@ -111,15 +114,19 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[low], ordered[high]
 
 
-def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float) -> dict:
+def _lockstep(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float,
+              steps: int | None) -> dict:
+    """One worker per side, `pairs` pairs of blocks (fewer past `row_s`); steps: the block size,
+    or None to size blocks from the warm-up."""
     workers = {side: Worker(python, task) for side, python in sides.items()}
     try:
         unit = STEPS_PER_CALL if task.get("fit") else 1
-        # Block size from the warm speed of the faster side, in whole fit calls; this also warms both.
-        steps, start = unit, time.perf_counter()
+        # The warm-up sizes blocks from the warm speed of the faster side, in whole fit calls.
+        size, start = unit, time.perf_counter()
         while time.perf_counter() - start < WARMUP_S:
-            seconds = max(min(workers[side].block(steps) for side in sides), 1e-6)
-            steps = max(unit, round(steps * block_s / seconds / unit) * unit)
+            seconds = max(min(workers[side].block(size) for side in sides), 1e-6)
+            size = max(unit, round(size * block_s / seconds / unit) * unit)
+        steps = steps or size
         ratios, times, start = [], {side: [] for side in sides}, time.perf_counter()
         for index in range(pairs):
             if index >= MIN_PAIRS and time.perf_counter() - start > row_s:
@@ -134,10 +141,28 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_
         for worker in workers.values():
             worker.process.kill()
     recompiled = {side: finals[side]["compilations"] - workers[side].ready["compilations"] for side in sides}
+    return {"steps": steps, "ratios": ratios, "times": times, "recompiled": recompiled,
+            "rss": {side: finals[side]["peak_rss_mb"] for side in sides}}
+
+
+def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float,
+            processes: int) -> dict:
+    """`processes` lockstep runs, each with fresh workers, pooled. Fresh processes because one
+    process of the same code can run a few tens of percent faster or slower than the next
+    (where the allocator and the loader happened to put things), for its whole life: one
+    pair of workers would compare two such draws, however many blocks it times."""
+    runs, steps = [], None
+    for _ in range(processes):
+        runs.append(_lockstep(sides, task, math.ceil(pairs / processes), block_s, row_s / processes, steps))
+        steps = runs[0]["steps"]
+    ratios = [ratio for found in runs for ratio in found["ratios"]]
+    times = {side: [t for found in runs for t in found["times"][side]] for side in sides}
     return {"steps": steps, "pairs": len(ratios), "ratio": statistics.median(ratios),
             "interval": median_interval(ratios),
+            "per_process": [statistics.median(found["ratios"]) for found in runs],
             "ms": {side: statistics.median(times[side]) * 1e3 for side in sides},
-            "rss": {side: finals[side]["peak_rss_mb"] for side in sides}, "recompiled": recompiled}
+            "rss": {side: max(found["rss"][side] for found in runs) for side in sides},
+            "recompiled": {side: sum(found["recompiled"][side] for found in runs) for side in sides}}
 
 
 def main() -> None:
@@ -149,17 +174,20 @@ def main() -> None:
                         help=f"time budget per row: fewer pairs (at least {MIN_PAIRS}) where blocks are long")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--processes", type=int, default=4,
+                        help="fresh worker pairs per row, the pairs split among them")
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp only, 5 short pairs")
     arguments = parser.parse_args()
     sides = {"this": Path(sys.executable), "base": arguments.base}
     names = ["mlp"] if arguments.quick else [m for m in arguments.models.split(",") if m]
     modes = [m for m in arguments.modes.split(",") if m]
-    pairs, block_s = (5, 0.05) if arguments.quick else (arguments.pairs, arguments.block_s)
+    pairs, block_s, processes = ((5, 0.05, 1) if arguments.quick
+                                 else (arguments.pairs, arguments.block_s, arguments.processes))
     unknown = set(names) - set(MODELS) | set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown models or modes: {sorted(unknown)}; models: {list(MODELS)}, modes: {list(MODES)}")
     lines = ["| model | mode | steps/block | pairs | base ms/step | this ms/step | this / base (95 % interval) "
-             "| peak RSS MB base / this |", "|---|---|---|---|---|---|---|---|"]
+             "| per process pair | peak RSS MB base / this |", "|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             prepare(name, Path(folder))
@@ -167,13 +195,14 @@ def main() -> None:
                 # The image models warm up one step: their first call compiles for tens of seconds.
                 warmup = STEPS_PER_CALL if "fit" in mode else 3
                 task = {"dir": folder, "model": name, "warmup": warmup, **MODES[mode]}
-                found = compare(sides, task, pairs, block_s, arguments.row_s)
+                found = compare(sides, task, pairs, block_s, arguments.row_s, processes)
                 if any(found["recompiled"].values()):
                     raise SystemExit(f"{name} {mode}: a worker compiled again while timed: {found['recompiled']}")
                 low, high = found["interval"]
                 line = (f"| {name} | {mode} | {found['steps']} | {found['pairs']} "
                         f"| {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
                         f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
+                        f"| {' '.join(f'{r:.2f}' for r in found['per_process'])} "
                         f"| {found['rss']['base']:.0f} / {found['rss']['this']:.0f} |")
                 print(line, flush=True)
                 lines.append(line)

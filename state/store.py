@@ -46,13 +46,6 @@ def _distinct(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return values
 
 
-def _unshared(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """`values`, copying where two names hold one array (a cheap check first: this runs every step)."""
-    if len({id(value) for value in values.values()}) == len(values):
-        return values
-    return _distinct(values)
-
-
 def _kind(dtype: np.dtype) -> str | None:
     """'b', 'i' or 'f' for boolean, integer (ml_dtypes' too) and floating dtypes; else None."""
     if dtype == np.bool_:
@@ -204,13 +197,21 @@ class StateStore:
         without donating them). A value passed through unchanged is the very same array: it
         is never kept."""
         old = self._values
-        unknown = set(updates) - set(old)
-        if unknown:
-            raise ValueError(f"commit names {sorted(unknown)}, which are not state variables")
-        self._values = _unshared({**old, **updates})
+        if not updates.keys() <= old.keys():
+            unknown = sorted(updates.keys() - old.keys())
+            raise ValueError(f"commit names {unknown}, which are not state variables")
+        values = {**old, **updates}
+        # This runs every step: a cheap check first, copies only where two names hold one array.
+        live = {id(value) for value in values.values()}
+        if len(live) != len(values):
+            values = _distinct(values)
+            live = {id(value) for value in values.values()}
+        self._values = values
         if recycle:
-            live = {id(value) for value in self._values.values()}
-            self._spares.update({name: old[name] for name in updates if id(old[name]) not in live})
+            spares = self._spares
+            for name in updates:
+                if id(old[name]) not in live:
+                    spares[name] = old[name]
         if key is not None:
             self.key = key
 
