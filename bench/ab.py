@@ -9,13 +9,15 @@ so medians of separate processes (or separate runs) cannot resolve a few percent
 sides' workers are resident and warm, and take turns: a pair is one block of steps on each
 side, back to back, the order alternating from pair to pair; a block lasts about --block-s
 seconds. A row runs --processes such lockstep runs one after the other, each with fresh
-workers, since a process keeps for life the speed it happened to start with. The ratio
-reported is the median over all pairs of (this block / base block), with a distribution-free
-95 % interval for that median, and each run's own median beside it; peak RSS is the highest
-worker high-water mark of each side.
+workers: a process keeps for life the speed it happened to start with (where the allocator
+and the loader put things), so pairs within one run are not independent, and comparing one
+pair of processes compares two draws. The ratio reported is the median of the runs' own
+median ratios (this block / base block), with a distribution-free 95 % interval over those
+runs (their range when there are fewer than 6); peak RSS is each side's highest worker
+high-water mark. Giving this checkout's own python as --base measures the noise floor.
 
-Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 41] [--block-s 0.25] [--row-s 120]
-           [--processes 4] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
+Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 48] [--block-s 0.25] [--row-s 120]
+           [--processes 12] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
            [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
 """
@@ -107,7 +109,7 @@ def prepare(name: str, folder: Path) -> None:
 
 def median_interval(values: list[float]) -> tuple[float, float]:
     """A distribution-free 95 % interval for the median: the order statistics the binomial
-    (n, 1/2) puts at least 95 % between (normal approximation, fine from n of about 20)."""
+    (n, 1/2) puts at least 95 % between (normal approximation to the binomial)."""
     ordered, n = sorted(values), len(values)
     half = 1.96 * math.sqrt(n) / 2
     low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
@@ -147,19 +149,17 @@ def _lockstep(sides: dict[str, Path], task: dict, pairs: int, block_s: float, ro
 
 def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float,
             processes: int) -> dict:
-    """`processes` lockstep runs, each with fresh workers, pooled. Fresh processes because one
-    process of the same code can run a few tens of percent faster or slower than the next
-    (where the allocator and the loader happened to put things), for its whole life: one
-    pair of workers would compare two such draws, however many blocks it times."""
+    """`processes` lockstep runs, each with fresh workers (see the module docstring)."""
     runs, steps = [], None
     for _ in range(processes):
         runs.append(_lockstep(sides, task, math.ceil(pairs / processes), block_s, row_s / processes, steps))
         steps = runs[0]["steps"]
-    ratios = [ratio for found in runs for ratio in found["ratios"]]
+    medians = [statistics.median(found["ratios"]) for found in runs]
     times = {side: [t for found in runs for t in found["times"][side]] for side in sides}
-    return {"steps": steps, "pairs": len(ratios), "ratio": statistics.median(ratios),
-            "interval": median_interval(ratios),
-            "per_process": [statistics.median(found["ratios"]) for found in runs],
+    return {"steps": steps, "pairs": sum(len(found["ratios"]) for found in runs),
+            "ratio": statistics.median(medians),
+            "interval": median_interval(medians) if len(medians) >= 6 else (min(medians), max(medians)),
+            "per_process": medians,
             "ms": {side: statistics.median(times[side]) * 1e3 for side in sides},
             "rss": {side: max(found["rss"][side] for found in runs) for side in sides},
             "recompiled": {side: sum(found["recompiled"][side] for found in runs) for side in sides}}
@@ -168,13 +168,13 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, type=Path, help="the python whose onnxtrain is the baseline")
-    parser.add_argument("--pairs", type=int, default=41)
+    parser.add_argument("--pairs", type=int, default=48)
     parser.add_argument("--block-s", type=float, default=0.25, help="seconds per block, about")
     parser.add_argument("--row-s", type=float, default=120.0,
                         help=f"time budget per row: fewer pairs (at least {MIN_PAIRS}) where blocks are long")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--processes", type=int, default=4,
+    parser.add_argument("--processes", type=int, default=12,
                         help="fresh worker pairs per row, the pairs split among them")
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp only, 5 short pairs")
     arguments = parser.parse_args()
@@ -186,7 +186,7 @@ def main() -> None:
     unknown = set(names) - set(MODELS) | set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown models or modes: {sorted(unknown)}; models: {list(MODELS)}, modes: {list(MODES)}")
-    lines = ["| model | mode | steps/block | pairs | base ms/step | this ms/step | this / base (95 % interval) "
+    lines = ["| model | mode | steps/block | pairs | base ms/step | this ms/step | this / base (95 % interval over processes) "
              "| per process pair | peak RSS MB base / this |", "|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
