@@ -151,7 +151,7 @@ def _hyperparameter_lines(info: TrainingInfoProto, scope: dict[str, TensorProto 
     scalars = [(key, _scalar_text(scope[key])) for key in _state_keys(info) if key in scope]
     shown = [f"{key} = {value}" for key, value in scalars if value is not None]
     if shown:
-        lines.append(f"{indent}scalar state (hyperparameters, counters; initial values): {', '.join(shown)}")
+        lines.append(f"{indent}scalar state variables (initial values): {', '.join(shown)}")
     return lines
 
 
