@@ -52,7 +52,8 @@ class FineTuner(Core):
                  optimizer: optax.GradientTransformation, output: str | None = None, trainable: Trainable = None,
                  label: str = "labels", seed: int = 0, mesh: Mesh | None = None, nan_policy: str = "raise",
                  train_mode: bool = True, freeze_batchnorm: bool = False,
-                 max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None):
+                 max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None,
+                 ignore_index: int | None = None):
         """See finetune()."""
         check_policy(nan_policy)
         limit = ProgramLimit(max_programs)
@@ -65,7 +66,7 @@ class FineTuner(Core):
                                "(or `trainable` selected none)")
         if label in {v.name for v in model.graph.input}:
             raise BindingError(f"label={label!r} is already an input of the model; pass another name")
-        part = objective(model, loss, output, label, train_mode, freeze_batchnorm)
+        part = objective(model, loss, output, label, train_mode, freeze_batchnorm, ignore_index)
         self.output, self.label = part.output, label
         weights = dict(iter_initializers(model.graph, lambda name: name in names))
         statistics = dict(iter_initializers(model.graph, lambda name: name in part.statistics))
@@ -101,23 +102,29 @@ class FineTuner(Core):
         self._write(path, False, external_data)
 
 
-def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_entropy",
+def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
              optimizer: optax.GradientTransformation | None = None, *, output: str | None = None,
-             trainable: Trainable = None, label: str = "labels", seed: int = 0, mesh: Mesh | None = None,
-             nan_policy: str = "raise", train_mode: bool = True, freeze_batchnorm: bool = False,
-             max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None) -> FineTuner:
+             trainable: Trainable = None, label: str = "labels", ignore_index: int | None = None, seed: int = 0,
+             mesh: Mesh | None = None, nan_policy: str = "raise", train_mode: bool = True,
+             freeze_batchnorm: bool = False, max_programs: int = DEFAULT_MAX_PROGRAMS,
+             repair: Iterable[str] | str | None = None) -> FineTuner:
     """A FineTuner that trains `model`'s weights with an optax optimizer.
 
     Args:
         model: a path, bytes, file object or ModelProto of an inference model.
-        loss: "cross_entropy" (logits vs class indices), "mse", "l1", "bce_with_logits", a loss
-            graph (prediction, label) -> scalar, or a JAX function (prediction, label) -> scalar.
+        loss: required, as for make_training_model: "cross_entropy" (logits vs class
+            indices), "mse", "l1", "bce_with_logits", a loss graph (prediction, label) ->
+            scalar, or a JAX function (prediction, label) -> scalar.
         optimizer: any optax GradientTransformation (default: optax.adam(1e-3)).
         output: which model output is the prediction (default: the first).
-        trainable: names of float initializers to train, or a predicate (name, value) -> bool
-            (default: the weights; exporter constants such as exponents, scales, fill values
-            and zero RNN states stay fixed, see onnxtrain._recipe.trainable).
+        trainable: one name or a list of names of float initializers to train (exact
+            names), or a predicate (name, value) -> bool (default: the weights; exporter
+            constants such as exponents, scales, fill values and zero RNN states stay fixed,
+            see onnxtrain._recipe.trainable).
         label: the name of the label feed.
+        ignore_index: for loss="cross_entropy", a label value that contributes nothing (e.g.
+            -100, as torch's default). Labels are checked against the number of classes
+            before every step.
         seed: the PRNG seed (Dropout).
         mesh: train data-parallel on this jax.sharding.Mesh, as Trainer(mesh=...) does.
         nan_policy: "raise", "skip" or "ignore", as for Trainer.
@@ -134,8 +141,10 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
         A FineTuner: step(), fit(), evaluate(), infer(), export(), checkpoints.
 
     Raises:
-        BindingError: an unknown loss, output or trainable name, or a label that is taken.
-        InputError: a bad nan_policy, mesh or max_programs.
+        BindingError: an unknown loss or output, a trainable initializer that cannot be
+            trained, or a label that is taken.
+        InputError: a trainable name that names no initializer, an ignore_index without
+            loss="cross_entropy", a bad nan_policy, mesh or max_programs.
         ModelLoadError, UnsupportedOpError: the model cannot be read or translated.
 
     Example:
@@ -147,4 +156,4 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction = "cross_
 
         optimizer = optax.adam(1e-3)
     return FineTuner(model, loss, optimizer, output, trainable, label, seed, mesh, nan_policy, train_mode,
-                     freeze_batchnorm, max_programs, repair)
+                     freeze_batchnorm, max_programs, repair, ignore_index)

@@ -16,6 +16,7 @@ import numpy as np
 
 from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.feeds import FeedChecker
+from onnxtrain._engine.labels import with_label_check
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain._recipe.training_info import light_graph, model_of
 from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
@@ -68,7 +69,7 @@ class Program:
         self.constants = placement.replicate(self.translated.params)
         declared = set(self.translated.input_names)
         self.declared_inputs = [value for value in graph.input if value.name in declared]
-        self.check_feeds = FeedChecker(self.declared_inputs, feeds_where or f"{where} step")
+        self.check_feeds = with_label_check(FeedChecker(self.declared_inputs, feeds_where or f"{where} step"), graph)
 
     def params(self, values: Mapping[str, Any], constants: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The graph's parameters: `constants` (a compiled function's argument; by default

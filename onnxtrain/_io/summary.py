@@ -1,4 +1,4 @@
-"""A human-readable outline of a model: what `onnxtrain info` and the demo print."""
+"""A human-readable outline of a model: what `onnxtrain inspect` and the demo print."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ import math
 from collections import Counter
 
 from onnxtrain._io.model import ModelSource, load_model
-from onnxtrain.proto import GraphProto, ModelProto, TensorProto, TypeProto, ValueInfoProto
+from onnxtrain.proto import (AttributeProto, GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
+                             TypeProto, ValueInfoProto)
 from onnxtrain.proto.walk import iter_graphs
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
-from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
-from onnxtrain.translate.tensors import ELEMENT_TYPES, raw_size
+from onnxtrain.translate.registry import TRAINING_DOMAIN, model_opsets, normalize_domain, resolve
+from onnxtrain.translate.tensors import ELEMENT_TYPES, raw_size, tensor_to_numpy
+
+# The optimizers of the training domain: input 0 is the learning rate R, input 1 the step counter T.
+_OPTIMIZERS = ("Adam", "Adagrad", "Momentum")
 
 
 def _element_name(code: int) -> str:
@@ -38,8 +42,19 @@ def _values_text(values: list[ValueInfoProto]) -> str:
     return ", ".join(f"{v.name} {_type_text(v.type)}" for v in values) or "none"
 
 
-def _tensor_text(tensor: TensorProto) -> str:
+def _tensor_text(tensor: TensorProto | SparseTensorProto) -> str:
+    if isinstance(tensor, SparseTensorProto):
+        # A sparse initializer's dims are the dense tensor's; make_training_model stores the
+        # optimizer slots this way, with no entries (all zeros).
+        stored = math.prod(tensor.values.dims)
+        return (f"{tensor.values.name} {_element_name(tensor.values.data_type)}"
+                f"[{', '.join(map(str, tensor.dims))}] (sparse, {stored:,} stored values)")
     return f"{tensor.name} {_element_name(tensor.data_type)}[{', '.join(map(str, tensor.dims))}]"
+
+
+def _initializers(graph: GraphProto) -> dict[str, TensorProto | SparseTensorProto]:
+    """Every initializer of `graph` by name, dense and sparse."""
+    return {**{t.name: t for t in graph.initializer}, **{s.values.name: s for s in graph.sparse_initializer}}
 
 
 def _ops_text(graph: GraphProto) -> str:
@@ -51,7 +66,11 @@ def _initializer_text(graph: GraphProto) -> str:
     values = sum(math.prod(t.dims) for t in graph.initializer)
     size = sum(raw_size(ELEMENT_TYPES[t.data_type], math.prod(t.dims)) for t in graph.initializer
                if t.data_type in ELEMENT_TYPES and t.data_type != TensorProto.STRING)
-    return f"{len(graph.initializer)} ({values:,} values, {size:,} bytes)"
+    text = f"{len(graph.initializer)} ({values:,} values, {size:,} bytes)"
+    if graph.sparse_initializer:
+        dense = sum(math.prod(s.dims) for s in graph.sparse_initializer)
+        text += f" + {len(graph.sparse_initializer)} sparse ({dense:,} values when dense)"
+    return text
 
 
 def _graph_lines(label: str, graph: GraphProto, indent: str) -> list[str]:
@@ -82,6 +101,60 @@ def unsupported_ops(model: ModelProto) -> list[str]:
     return sorted(missing)
 
 
+def _state_keys(info: TrainingInfoProto) -> list[str]:
+    """The state variables of one TrainingInfoProto: its binding keys, in order, once each."""
+    return list(dict.fromkeys([b.key for b in info.initialization_binding] + [b.key for b in info.update_binding]))
+
+
+def _scalar_text(tensor: TensorProto | SparseTensorProto) -> str | None:
+    """The value of a one-element dense tensor as text, else None."""
+    if isinstance(tensor, SparseTensorProto) or math.prod(tensor.dims) != 1:
+        return None
+    if tensor.data_type not in ELEMENT_TYPES or tensor.data_type == TensorProto.STRING:
+        return None
+    try:
+        value = tensor_to_numpy(tensor).reshape(()).item()
+    except Exception:  # an outline never fails on one unreadable value; it shows what it can
+        return None
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def optimizer_nodes(info: TrainingInfoProto) -> list[tuple[str, str, str]]:
+    """(op type, learning-rate input, step-counter input) of each training-domain optimizer node
+    of an algorithm graph: the names its R and T inputs read (a state variable or a computed value)."""
+    return [(n.op_type, n.input[0], n.input[1]) for n in info.algorithm.node
+            if n.domain == TRAINING_DOMAIN and n.op_type in _OPTIMIZERS and len(n.input) >= 2]
+
+
+def _attribute_text(attribute: AttributeProto) -> str:
+    if attribute.type == attribute.FLOAT:
+        return f"{attribute.f:.6g}"
+    if attribute.type == attribute.INT:
+        return str(attribute.i)
+    return attribute.s.decode("utf-8", "replace")
+
+
+def _hyperparameter_lines(info: TrainingInfoProto, scope: dict[str, TensorProto | SparseTensorProto],
+                          indent: str) -> list[str]:
+    """The optimizer, its learning rate and step counter by name, and every scalar state
+    variable with its initial value (the ones a runtime can change between steps)."""
+    lines = []
+    for item in info.algorithm.node:
+        if item.domain != TRAINING_DOMAIN or item.op_type not in _OPTIMIZERS or len(item.input) < 2:
+            continue
+        settings = ", ".join(f"{a.name}={_attribute_text(a)}" for a in item.attribute
+                             if a.type in (a.FLOAT, a.INT, a.STRING))
+        lines.append(f"{indent}optimizer: {item.op_type}" + (f" ({settings})" if settings else ""))
+        for role, name in (("learning rate", item.input[0]), ("step counter", item.input[1])):
+            value = _scalar_text(scope[name]) if name in scope else None
+            lines.append(f"{indent}  {role}: {name}" + (f" = {value}" if value is not None else " (computed)"))
+    scalars = [(key, _scalar_text(scope[key])) for key in _state_keys(info) if key in scope]
+    shown = [f"{key} = {value}" for key, value in scalars if value is not None]
+    if shown:
+        lines.append(f"{indent}scalar state variables (initial values): {', '.join(shown)}")
+    return lines
+
+
 def describe(model: ModelSource) -> str:
     """An outline of a model: opsets, graphs, and each training recipe's state and bindings.
 
@@ -105,18 +178,18 @@ def describe(model: ModelSource) -> str:
         lines.append(f"  {model.doc_string}")
     lines.append(f"opsets: {opsets or 'none'}")
     lines += _graph_lines("main graph", model.graph, "")
-    initializers = {t.name: t for t in model.graph.initializer}
+    initializers = _initializers(model.graph)
     for index, info in enumerate(model.training_info):
         lines.append(f"training_info[{index}]:")
         if info.HasField("initialization"):
             lines += _graph_lines("initialization", info.initialization, "  ")
         lines += _graph_lines("algorithm", info.algorithm, "  ")
-        scope = {**initializers, **{t.name: t for t in info.algorithm.initializer}}
-        keys = list(dict.fromkeys(
-            [b.key for b in info.initialization_binding] + [b.key for b in info.update_binding]))
+        scope = {**initializers, **_initializers(info.algorithm)}
+        keys = _state_keys(info)
         state = [_tensor_text(scope[key]) if key in scope else f"{key} (not an initializer!)"
                  for key in keys]
         lines.append(f"  state variables ({len(keys)}): {', '.join(state)}")
+        lines += _hyperparameter_lines(info, scope, "  ")
         lines.append("  update_binding: " + (", ".join(
             f"{b.key} <- {b.value}" for b in info.update_binding) or "none"))
     if model.functions:

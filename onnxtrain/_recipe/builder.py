@@ -68,12 +68,13 @@ def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.nda
 
 def make_training_model(
     model: ModelSource,
-    loss: str | GraphProto | Any = "mse",
+    loss: str | GraphProto | Any,
     output: str | None = None,
     optimizer: Optimizer | None = None,
     trainable: Trainable = None,
     *,
     label: str = "labels",
+    ignore_index: int | None = None,
     train_mode: bool = True,
     freeze_batchnorm: bool = False,
     reinitialize: Iterable[str] = (),
@@ -82,9 +83,14 @@ def make_training_model(
 ) -> ModelProto:
     """A copy of `model` with a standard TrainingInfoProto (see the module docstring).
 
-    loss: "mse", "l1", "cross_entropy" (logits vs class indices), "bce_with_logits", or a
-    graph (prediction, label) -> scalar loss. output: which model output is the prediction
-    (default: the first). label: the name of the label input the training step takes.
+    loss (required, as for finetune and the command line: no default to guess wrong): "mse",
+    "l1", "cross_entropy" (logits vs class indices), "bce_with_logits", or a graph
+    (prediction, label) -> scalar loss. output: which model output is the prediction
+    (default: the first). trainable: None for the default weights, one initializer name, a
+    list of names, or a predicate (name, value) -> bool. label: the name of the label input
+    the training step takes. ignore_index: for "cross_entropy", a label value that
+    contributes nothing (e.g. -100, as torch's default); labels are checked against the
+    number of classes before every step.
     train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
     become state) unless freeze_batchnorm. reinitialize: weights the initialization graph
     redraws. repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
@@ -102,7 +108,7 @@ def make_training_model(
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
                            "(or `trainable` selected none)")
-    part = objective(model, loss, output, label, train_mode, freeze_batchnorm)
+    part = objective(model, loss, output, label, train_mode, freeze_batchnorm, ignore_index)
     if part.loss is None:
         raise BindingError("make_training_model writes the loss as ONNX nodes: pass a loss name or a loss "
                            "graph (prediction, label) -> scalar, not a Python function (finetune takes those)")

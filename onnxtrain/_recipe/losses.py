@@ -35,10 +35,15 @@ def l1(prediction: str, label: str, loss: str, fresh: Names) -> tuple[list[NodeP
             _mean(absolute, loss)], []
 
 
-def cross_entropy(prediction: str, label: str, loss: str,
-                  fresh: Names) -> tuple[list[NodeProto], list[TensorProto]]:
-    """Mean softmax cross-entropy of logits [N, C, ...] against class indices [N, ...]."""
-    return [node("SoftmaxCrossEntropyLoss", [prediction, label], [loss], reduction="mean")], []
+def cross_entropy(prediction: str, label: str, loss: str, fresh: Names,
+                  ignore_index: int | None = None) -> tuple[list[NodeProto], list[TensorProto]]:
+    """Mean softmax cross-entropy of logits [N, C, ...] against class indices [N, ...].
+
+    ignore_index: a label value that contributes nothing (as torch's cross_entropy, the mean
+    is over the other labels); the node's own attribute, so every runtime skips it.
+    """
+    settings = {} if ignore_index is None else {"ignore_index": int(ignore_index)}
+    return [node("SoftmaxCrossEntropyLoss", [prediction, label], [loss], reduction="mean", **settings)], []
 
 
 def bce_with_logits(prediction: str, label: str, loss: str,

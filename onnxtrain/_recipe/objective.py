@@ -9,16 +9,18 @@ each step) and Dropout is active in both, unless the caller asks otherwise.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from onnxtrain._recipe.losses import BUILT_IN, inline_loss_graph, label_input
+from onnxtrain._recipe.losses import BUILT_IN, cross_entropy, inline_loss_graph, label_input
 from onnxtrain._recipe.trainable import FLOATS, trainable_set
-from onnxtrain.errors import BindingError
-from onnxtrain.proto import GraphProto, ModelProto, NodeProto
+from onnxtrain.errors import BindingError, InputError
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, ValueInfoProto
 from onnxtrain.proto.make import attribute, node
 from onnxtrain.translate.graph import graph_initializers, initializer_names
 from onnxtrain.translate.model import static_input_names
@@ -26,7 +28,7 @@ from onnxtrain.translate.registry import model_opsets, normalize_domain
 from onnxtrain.translate.tensors import numpy_to_tensor
 
 logger = logging.getLogger("onnxtrain")
-Trainable = Iterable[str] | Callable[[str, np.ndarray], bool] | None
+Trainable = str | Iterable[str] | Callable[[str, np.ndarray], bool] | None
 
 
 class Names:
@@ -62,16 +64,23 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
         model: the inference model.
         trainable: None for the default set (the weights trainable_set finds: exporter
             constants such as exponents, scales, fill values and zero RNN states stay
-            fixed), names of float initializers (any, constants included), or a predicate
-            (name, value) -> bool over the float initializers.
+            fixed), one name or a list of names of float initializers (any, constants
+            included; exact names, not patterns), or a predicate (name, value) -> bool over
+            the float initializers (for patterns: lambda name, value: name.startswith("head.")).
         log: log the chosen set (one INFO line on logger "onnxtrain").
 
     Returns:
         The names, in initializer order for the default set and predicates.
 
     Raises:
-        BindingError: a name that is not a float initializer of the main graph, or one that
-            is a shape operand or a BatchNorm running statistic (neither can be trained).
+        InputError: a name that is no initializer of the main graph (the message lists the
+            closest names).
+        BindingError: an initializer that cannot be trained: not float, a shape operand or a
+            BatchNorm running statistic.
+
+    Example:
+        >>> trainable_names(model, "head.weight")
+        ['head.weight']
     """
     if trainable is None:
         chosen = trainable_set(model)
@@ -85,13 +94,30 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
     candidates = [n for n, v in values.items() if v.dtype in FLOATS and n not in excluded]
     if callable(trainable):
         return [n for n in candidates if trainable(n, values[n])]
-    names = list(trainable)
+    # A single string is one name: list("head.weight") would be its characters.
+    names = [trainable] if isinstance(trainable, str) else list(trainable)
+    _check_known(names, list(values))
     unknown = [n for n in names if n not in candidates]
     if unknown:
         raise BindingError(f"trainable names {unknown} are not float weights of the main graph (shape "
                            f"operands and BatchNorm statistics cannot be trained); candidates are "
                            f"{candidates}")
     return names
+
+
+def _check_known(names: list[str], initializers: list[str]) -> None:
+    """Raise InputError for the first name that is no initializer at all, with the closest ones."""
+    for name in names:
+        if not isinstance(name, str):
+            raise InputError(f"trainable= takes initializer names (str), a predicate or None; got "
+                             f"{type(name).__name__} {name!r} among the names")
+        if name in initializers:
+            continue
+        close = difflib.get_close_matches(name, initializers, n=5, cutoff=0.6)
+        hint = f"did you mean {', '.join(map(repr, close))}?" if close else (
+            f"the initializers are {initializers[:10]}" + (" ..." if len(initializers) > 10 else ""))
+        raise InputError(f"trainable={name!r} names no initializer of the main graph; {hint} "
+                         "(trainable takes exact names, or a predicate (name, value) -> bool)")
 
 
 def training_forward(model: ModelProto, fresh: Names, freeze_batchnorm: bool
@@ -156,13 +182,15 @@ class Objective:
 
 
 def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str | None, label: str,
-              train_mode: bool = True, freeze_batchnorm: bool = False) -> Objective:
+              train_mode: bool = True, freeze_batchnorm: bool = False,
+              ignore_index: int | None = None) -> Objective:
     """The objective for `model`'s `output` (default: the first) against the label input `label`.
 
     loss: "mse", "l1", "cross_entropy", "bce_with_logits", a loss graph (prediction, label) ->
     scalar, or a JAX function (prediction, label) -> scalar (left to the caller).
     train_mode: Dropout and BatchNormalization as in training (BatchNorm statistics become
     state) unless freeze_batchnorm keeps BatchNorm on its running statistics.
+    ignore_index: for "cross_entropy", a label value that contributes nothing.
     """
     outputs = {v.name: v for v in model.graph.output}
     output = output or model.graph.output[0].name
@@ -171,6 +199,7 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
     if isinstance(loss, str) and loss not in BUILT_IN:
         raise BindingError(f"loss={loss!r} is not one of {sorted(BUILT_IN)} (or pass a loss graph "
                            "(prediction, label) -> scalar; finetune also takes a JAX function)")
+    _check_ignore_index(loss, ignore_index)
     if loss == "cross_entropy" and default_opset(model) < 13:
         raise BindingError("loss='cross_entropy' needs ai.onnx opset 13 or newer (SoftmaxCrossEntropyLoss); "
                            "the model imports an older one. Pass a loss graph instead.")
@@ -185,6 +214,8 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
         forward, renamed, statistics = training_forward(model, fresh, freeze_batchnorm)
         graph.node.extend(forward)
         prediction = renamed[output]
+        # The training copy has the output's type; declared, so the label check knows the classes.
+        graph.value_info.append(ValueInfoProto(name=prediction, type=outputs[output].type))
     if label in fresh.taken:
         raise BindingError(f"label={label!r} is already a name in the model; pass another label name")
     fresh.taken.add(label)
@@ -192,7 +223,8 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
         return Objective(graph, output, prediction, None, statistics, fresh)
     loss_name = fresh("loss")
     if isinstance(loss, str):
-        loss_nodes, loss_initializers = BUILT_IN[loss](prediction, label, loss_name, fresh)
+        build = BUILT_IN[loss] if ignore_index is None else partial(cross_entropy, ignore_index=ignore_index)
+        loss_nodes, loss_initializers = build(prediction, label, loss_name, fresh)
         graph.input.append(label_input(loss, outputs[output], label))
     else:
         loss_graph = GraphProto.FromString(loss.SerializeToString())
@@ -201,3 +233,15 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
     graph.node.extend(loss_nodes)
     graph.initializer.extend(loss_initializers)
     return Objective(graph, output, prediction, loss_name, statistics, fresh)
+
+
+def _check_ignore_index(loss: str | GraphProto | Callable, ignore_index: int | None) -> None:
+    """ignore_index is an attribute of the cross-entropy node, so it needs that loss and an int."""
+    if ignore_index is None:
+        return
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise InputError(f"ignore_index={ignore_index!r} must be an int (e.g. -100, as in torch), or None")
+    if not isinstance(loss, str) or loss != "cross_entropy":
+        shown = loss if isinstance(loss, str) else type(loss).__name__
+        raise InputError(f"ignore_index={ignore_index} applies to loss='cross_entropy' only, not {shown!r}; "
+                         "leave it out, or write the loss as a graph that skips those labels")

@@ -69,8 +69,8 @@ def parity(name: str, outdir: str) -> dict:
     sharded.export(Path(outdir) / "sharded.onnx")
     np.savez(Path(outdir) / "sharded_state.npz", **state)
     finetuned = [[float(tuner.step(batch)["loss"]) for batch in feeds[:3]] for tuner in (
-        onnxtrain.finetune((FIXTURES / f"{name}.onnx").read_bytes()),
-        onnxtrain.finetune((FIXTURES / f"{name}.onnx").read_bytes(), mesh=sharded_mesh))]
+        onnxtrain.finetune((FIXTURES / f"{name}.onnx").read_bytes(), "cross_entropy"),
+        onnxtrain.finetune((FIXTURES / f"{name}.onnx").read_bytes(), "cross_entropy", mesh=sharded_mesh))]
     try:
         sharded.step({k: v[:6] for k, v in feeds[0].items()})
         uneven = None

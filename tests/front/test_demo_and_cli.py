@@ -80,7 +80,7 @@ def test_quickstart_spirals_are_learnable_by_the_bundled_training_model():
 
 @pytest.mark.slow
 def test_info_on_a_missing_file_is_one_clear_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "onnxtrain", "info", str(tmp_path / "x.onnx")],
+    result = subprocess.run([sys.executable, "-m", "onnxtrain", "inspect", str(tmp_path / "x.onnx")],
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr.strip() == f"onnxtrain: model file {tmp_path / 'x.onnx'} does not exist"
@@ -92,5 +92,5 @@ def test_info_outlines_backend_models(name, capsys):
     from support.backend_cases import BackendCase
 
     suite, case = name.split("/")
-    assert main(["info", str(BackendCase(suite, case).model_path())]) == 0
+    assert main(["inspect", str(BackendCase(suite, case).model_path())]) == 0
     assert "main graph" in capsys.readouterr().out

@@ -145,8 +145,8 @@ def test_trainable_selection_and_reinitialization():
     trainer.initialize()
     redrawn = np.asarray(trainer.state["W"])
     assert not np.allclose(redrawn, W) and 0.3 < redrawn.std() < 1.3   # He scale sqrt(2/4)
-    with pytest.raises(BindingError, match="not float weights"):
-        onnxtrain.make_training_model(_linear(), trainable=["nope"])
+    with pytest.raises(onnxtrain.InputError, match="names no initializer"):
+        onnxtrain.make_training_model(_linear(), "mse", trainable=["nope"])
 
 
 def test_user_loss_graph_is_inlined():
@@ -170,11 +170,11 @@ def test_folded_weights_warn_and_can_be_lifted():
     model = _linear([folded, matmul], output="k")
     model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 64
     with pytest.warns(UserWarning, match="look like weights an exporter folded"):
-        kept = onnxtrain.make_training_model(model)
+        kept = onnxtrain.make_training_model(model, "mse")
     assert "K" not in onnxtrain.Trainer(kept).state_names
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lifted = onnxtrain.make_training_model(model, lift_folded_weights=True)
+        lifted = onnxtrain.make_training_model(model, "mse", lift_folded_weights=True)
     assert "K" in onnxtrain.Trainer(lifted).state_names
 
 
@@ -186,4 +186,4 @@ def test_folded_weights_warn_and_can_be_lifted():
 ])
 def test_builder_errors_name_the_problem(kwargs, message):
     with pytest.raises(BindingError, match=message):
-        onnxtrain.make_training_model(_linear(), **kwargs)
+        onnxtrain.make_training_model(_linear(), **{"loss": "mse", **kwargs})

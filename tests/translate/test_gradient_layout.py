@@ -51,7 +51,7 @@ def _trainer_hlo() -> str:
 
 
 def _finetuner_hlo() -> str:
-    tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), optimizer=optax.adam(1e-3))
+    tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), "cross_entropy", optax.adam(1e-3))
     return tuner.lowered(FEEDS).compile().as_text()
 
 
