@@ -37,13 +37,14 @@ BATCHES = [(RNG.normal(size=(6, 4)).astype(np.float32), RNG.normal(size=(6, 3)).
            for _ in range(3 * UPDATES)]
 
 
-def _mlp():
+def _mlp(dtype=np.float32):
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h1"]),
              helper.make_node("Relu", ["h1"], ["h"]), helper.make_node("MatMul", ["h", "W2"], ["y0"]),
              helper.make_node("Add", ["y0", "b2"], ["y"])]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
-                              [numpy_helper.from_array(value, name) for name, value in PARAMS.items()])
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", elem, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", elem, ["batch", 3])],
+                              [numpy_helper.from_array(value.astype(dtype), name) for name, value in PARAMS.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
@@ -52,9 +53,9 @@ def _loss(params, x, y):
     return jnp.mean((hidden @ params["W2"] + params["b2"] - y) ** 2)
 
 
-def optax_run(transformation, batches):
+def optax_run(transformation, batches, dtype=np.float32):
     """Losses (before each step) and final parameters of `transformation` on `batches`."""
-    params = {name: jnp.asarray(value) for name, value in PARAMS.items()}
+    params = {name: jnp.asarray(value.astype(dtype)) for name, value in PARAMS.items()}
     state = transformation.init(params)
     # Jitted, as optax is used in practice (MultiSteps' conditionals are slow op by op).
     value_and_grad, update = jax.jit(jax.value_and_grad(_loss)), jax.jit(transformation.update)
@@ -68,8 +69,8 @@ def optax_run(transformation, batches):
     return np.array(losses), {name: np.asarray(value) for name, value in params.items()}, np.array(norms)
 
 
-def build(optimizer):
-    return onnxtrain.make_training_model(_mlp(), loss="mse", optimizer=optimizer, trainable=list(PARAMS))
+def build(optimizer, dtype=np.float32):
+    return onnxtrain.make_training_model(_mlp(dtype), loss="mse", optimizer=optimizer, trainable=list(PARAMS))
 
 
 def onnxtrain_run(optimizer, batches, model=None):
@@ -211,6 +212,22 @@ def test_combination_matches_optax_and_uses_only_standard_ops():
     assert {a.name: a.f for a in adam.attribute}.get("norm_coefficient_post", 0.0) == 0.0
     bound = {e.key for e in info.initialization_binding}
     assert {"learning_rate", "step", "accumulate.count", "W1.grad_sum"} <= bound
+
+
+def test_float64_weights_get_the_features_in_their_dtype():
+    """The learning rate and hyperparameters are float32; float64 weights get them cast, and
+    keep their dtype (optax in float64 as the oracle)."""
+    k = 2
+    batches = [(x.astype(np.float64), y.astype(np.float64)) for x, y in BATCHES[:k * UPDATES]]
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.05, 4, UPDATES, 0.005)
+    inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(schedule, weight_decay=0.2))
+    with jax.enable_x64(True):
+        theirs = optax_run(optax.MultiSteps(inner, every_k_schedule=k), batches, np.float64)
+    model = build(_combination(), np.float64)
+    check_training_model(model)
+    ours = onnxtrain_run(None, batches, model)
+    assert all(value.dtype == np.float64 for value in ours[1].values())
+    assert_same_training(ours[:2], theirs)
 
 
 def test_learning_rate_and_schedule_change_without_recompiling():
