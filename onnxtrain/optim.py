@@ -99,7 +99,10 @@ class Schedule:
             _check_number("end", self.end, 0.0)
         _check_count("warmup", self.warmup, 0)
         if self.kind in ("linear", "cosine"):
-            _check_count("steps", self.steps, self.warmup + 1)
+            _check_count("steps", self.steps, 1)
+            if self.steps <= self.warmup:
+                raise InputError(f"steps={self.steps} must be greater than warmup={self.warmup}: steps "
+                                 "counts the whole schedule, warm-up included")
         if self.kind == "exponential":
             _check_count("every", self.steps, 1)
             _check_number("rate", self.rate, 0.0, inclusive=False)

@@ -94,7 +94,7 @@ def test_other_values_are_refused_with_the_choices(value, message):
     (lambda: optim.SGD(clip_norm=0.0), r"clip_norm=0.0 must be a finite number > 0"),
     (lambda: optim.SGD(accumulate=0), r"accumulate=0 must be an integer >= 1"),
     (lambda: optim.SGD(accumulate=2.5), r"accumulate=2.5 must be an integer"),
-    (lambda: optim.cosine(peak=0.1, steps=10, warmup=10), r"steps=10 must be an integer >= 11"),
+    (lambda: optim.cosine(peak=0.1, steps=10, warmup=10), r"steps=10 must be greater than warmup=10: steps counts the whole schedule"),
     (lambda: optim.exponential(peak=0.1, rate=0.0, every=5), r"rate=0.0 must be a finite number > 0"),
     (lambda: optim.linear(peak=0.0, end=0.1, steps=5), r"peak=0 keeps start and end as fractions"),
     (lambda: optim.AdamW(mask="W"), r"one string; pass a list of weight names"),
