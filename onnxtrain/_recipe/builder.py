@@ -3,8 +3,10 @@
 The result is a standard ONNX model: its TrainingInfoProto holds
 - an algorithm graph: (when Dropout or BatchNormalization must behave as in
   training) a renamed copy of the forward pass in training mode, the loss,
-  one Gradient node over the trainable weights, the optimizer node and the
-  step-counter increment; BatchNorm running statistics are bound state too;
+  one Gradient node over the trainable weights, then the update part
+  (onnxtrain._recipe.update: accumulation, clipping, the learning-rate schedule,
+  the optimizer node, decoupled weight decay, the step-counter increment);
+  BatchNorm running statistics are bound state too;
 - an initialization graph that resets the optimizer slots, the counter and the
   learning rate (and redraws weights on request);
 - bindings that make weights, slots, counter and learning rate state variables,
@@ -24,8 +26,10 @@ from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.objective import FLOATS, Names, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
+from onnxtrain._recipe.update import update_nodes
+from onnxtrain import optim
 from onnxtrain.errors import BindingError
-from onnxtrain.optim import Adam, Optimizer
+from onnxtrain.optim import Optimizer
 from onnxtrain.proto import GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto
 from onnxtrain.proto.make import bindings, node, opset, tensor_value_info
 from onnxtrain.translate.graph import graph_initializers
@@ -70,7 +74,7 @@ def make_training_model(
     model: ModelSource,
     loss: str | GraphProto | Any,
     output: str | None = None,
-    optimizer: Optimizer | None = None,
+    optimizer: Optimizer | str | None = None,
     trainable: Trainable = None,
     *,
     label: str = "labels",
@@ -83,26 +87,46 @@ def make_training_model(
 ) -> ModelProto:
     """A copy of `model` with a standard TrainingInfoProto (see the module docstring).
 
-    loss (required, as for finetune and the command line: no default to guess wrong): "mse",
-    "l1", "cross_entropy" (logits vs class indices), "bce_with_logits", or a graph
-    (prediction, label) -> scalar loss. output: which model output is the prediction
-    (default: the first). trainable: None for the default weights, one initializer name, a
-    list of names, or a predicate (name, value) -> bool. label: the name of the label input
-    the training step takes. ignore_index: for "cross_entropy", a label value that
-    contributes nothing (e.g. -100, as torch's default); labels are checked against the
-    number of classes before every step.
-    train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
-    become state) unless freeze_batchnorm. reinitialize: weights the initialization graph
-    redraws. repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
-    "relax_batch", "insert_batchnorm", or "all"; see onnxtrain._recipe.damage.repair); damage
-    not repaired is warned about once. lift_folded_weights: the same as
-    repair={"lift_constants"}.
+    Args:
+        model: the inference model (a path, bytes, file object or ModelProto).
+        loss: required, as for finetune and the command line: "mse", "l1", "cross_entropy"
+            (logits vs class indices), "bce_with_logits", or a graph (prediction, label) ->
+            scalar loss.
+        output: which model output is the prediction (default: the first).
+        optimizer: an onnxtrain.optim optimizer (with a learning-rate schedule, clip_norm=,
+            accumulate=; AdamW for decoupled weight decay) or one of the names "adam",
+            "adamw", "sgd", "momentum", "adagrad" (default: optim.Adam()).
+        trainable: None for the default weights (see the README), one initializer name, a
+            list of names, or a predicate (name, value) -> bool.
+        label: the name of the label input the training step takes.
+        ignore_index: for "cross_entropy", a label value that contributes nothing (e.g. -100,
+            torch's default); labels are checked against the number of classes before
+            every step.
+        train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
+            become state) unless freeze_batchnorm.
+        reinitialize: weights the initialization graph redraws.
+        repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
+            "relax_batch", "insert_batchnorm", or "all"); damage not repaired is warned about
+            once. lift_folded_weights: the same as repair={"lift_constants"}.
+
+    Returns:
+        The training model, ready for onnxtrain.Trainer or onnxtrain.save_model.
+
+    Raises:
+        InputError: an unknown optimizer, loss option or trainable name; an optax optimizer
+            (onnxtrain.finetune takes those).
+        BindingError: the model already has training_info, or nothing is left to train.
+
+    Example:
+        >>> training = onnxtrain.make_training_model("model.onnx", loss="cross_entropy",
+        ...                                          optimizer=optim.AdamW(lr=optim.cosine(1e-3, steps=1000)))
+        >>> trainer = onnxtrain.Trainer(training)
     """
+    optimizer = optim.get(optimizer)
     model = load_model(model)
     if model.training_info:
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
-    optimizer = optimizer or Adam()
     prepare(model, repair, "make_training_model", lift_folded_weights)
     weights = trainable_names(model, trainable)
     if not weights:
@@ -122,39 +146,28 @@ def make_training_model(
     algorithm.node.append(node("Gradient", [*weights, *data_inputs, label], gradients,
                                domain=TRAINING_DOMAIN, xs=weights, zs=[*data_inputs, label], y=loss_name))
 
-    lr, step, one = fresh("learning_rate"), fresh("step"), fresh("step.one")
-    slots = {slot: [fresh(f"{w}.{slot}") for w in weights] for slot in optimizer.slots}
-    new_weights = [fresh(f"{w}.new") for w in weights]
-    new_slots = {slot: [fresh(f"{name}.new") for name in names] for slot, names in slots.items()}
-    algorithm.node.append(node(
-        optimizer.op_type, [lr, step, *weights, *gradients, *[n for s in slots.values() for n in s]],
-        [*new_weights, *[n for s in new_slots.values() for n in s]],
-        domain=TRAINING_DOMAIN, **optimizer.attributes()))
-    new_step = fresh("step.new")
-    algorithm.node.append(node("Add", [step, one], [new_step]))
-
-    slot_values = {name: np.zeros_like(values[w]) for names in slots.values() for name, w in zip(names, weights)}
-    counters = {lr: np.array(optimizer.lr, np.float32), step: np.array(optimizer.first_step, np.int64)}
-    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in slot_values.items())
-    for name, value in {**counters, one: np.array(1, np.int64)}.items():
+    part = update_nodes(optimizer, weights, gradients, values, fresh)
+    algorithm.node.extend(part.nodes)
+    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in part.zeros.items())
+    for name, value in {**part.counters, **part.hyperparameters}.items():
         algorithm.initializer.append(numpy_to_tensor(value, name))
+    state_values = {**part.zeros, **part.counters}
 
     loss_type = outputs[output].type.tensor_type.elem_type or TensorProto.FLOAT
     algorithm.output.append(tensor_value_info(loss_name, loss_type, []))
-    updates = dict(zip(weights, new_weights))
-    for slot in optimizer.slots:
-        updates.update(zip(slots[slot], new_slots[slot]))
+    # BatchNorm statistics go before the counters, as the update part lists weights and slots first.
+    updates = {name: value for name, value in part.updates.items() if name not in part.counters}
     updates.update(statistics)
-    updates[step] = new_step
+    updates.update((name, value) for name, value in part.updates.items() if name in part.counters)
     for state, value_name in updates.items():
-        value = slot_values.get(state, values.get(state, counters.get(state)))
+        value = state_values[state] if state in state_values else values[state]
         algorithm.output.append(tensor_value_info(value_name, data_type_of(value.dtype), list(value.shape)))
 
     unknown = sorted(set(reinitialize) - set(weights))
     if unknown:
         raise BindingError(f"reinitialize names {unknown}, which are not trainable weights ({weights})")
     redraw = {name: values[name] for name in reinitialize}
-    init_graph, init_bound = _initialization({**slot_values, **counters}, redraw, fresh)
+    init_graph, init_bound = _initialization(state_values, redraw, fresh)
     info = TrainingInfoProto(algorithm=algorithm, initialization=init_graph)
     info.update_binding.extend(bindings(updates))
     info.initialization_binding.extend(bindings(init_bound))
