@@ -263,7 +263,8 @@ MISTAKES = {
     "tuple_too_long": (lambda: [(X, LABELS, X)], {},
                        "batches: batch 0 is a tuple of 3 values, but the step takes 2 inputs ['x', 'labels']"),
     "whole_tuple_too_long": (lambda: (X, LABELS, X), {}, "batches is a tuple of 3 values, but the step takes 2"),
-    "rows_differ": (lambda: (X, LABELS[:-1]), {}, "the arrays have different numbers of rows ({'x': 16, 'labels': 15})"),
+    "rows_differ": (lambda: (X, LABELS[:-1]), {},
+                    "the arrays have different numbers of rows ({'x': 16, 'labels': 15})"),
     "one_shot_iterator": (lambda: iter(dict_batches()), {"epochs": 2}, "needs batches it can iterate again"),
     "string": (lambda: "train.npz", {}, "batches is a str ('train.npz'); pass the data itself, not a path"),
     "single_array": (lambda: X, {}, "batches is a single ndarray; pass (inputs, labels)"),
@@ -338,3 +339,16 @@ def test_whole_arrays_are_told_from_batches():
     assert not is_whole_arrays([{"x": X, "labels": LABELS}] * 2) and is_whole_arrays(([X], LABELS))
     assert by_position(((X,), LABELS), ["x", "labels"], "b")["labels"] is LABELS
     assert by_position(([1.0], [2.0]), ["x", "labels"], "b") == {"x": [1.0], "labels": [2.0]}
+
+
+def test_array_batches_on_their_own_read_tensors_and_lists_and_pass_through_fit_data():
+    torch = pytest.importorskip("torch")
+    features = torch.tensor(X, requires_grad=True)
+    batches = ArrayBatches({"x": features, "labels": LABELS.tolist()}, batch_size=8, shuffle=True, seed=1)
+    train = fit_data(batches, ["x", "labels"], epochs=2).train
+    first, second = ([batch["labels"] for batch in train] for _ in range(2))
+    assert all(isinstance(b, np.ndarray) and b.dtype == np.int64 for b in first)
+    assert sorted(np.concatenate(first)) == sorted(LABELS) == sorted(np.concatenate(second))
+    rows = np.concatenate([batch["x"] for batch in ArrayBatches({"x": features}, batch_size=8)])
+    assert rows.dtype == np.float32 and np.array_equal(rows, X)
+    assert len(train) == 2
