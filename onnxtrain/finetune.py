@@ -28,7 +28,8 @@ from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.objective import Trainable, objective, trainable_names
 from onnxtrain.errors import BindingError, ExportError
-from onnxtrain.fitting import Batches, Callback
+from onnxtrain.data import Data
+from onnxtrain.fitting import Callback
 from onnxtrain.proto import GraphProto
 from onnxtrain.state.store import StateStore
 from onnxtrain.translate.graph import iter_initializers
@@ -82,11 +83,21 @@ class FineTuner(Core):
         inference = InferenceProgram(model, list(home), place, limit)
         super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit)
 
-    def fit(self, batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
-            eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False
-            ) -> dict[str, list[float]]:
-        """Train over `batches` (see Trainer.fit)."""
-        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last)
+    def fit(self, batches: Data, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
+            eval_data: Data | None = None, steps_per_call: int = 1, drop_last: bool = False, *,
+            batch_size: int | None = None, shuffle: bool = False, validation_split: float | None = None,
+            seed: int | None = None) -> dict[str, list[float]]:
+        """Train over `batches`: batches you made or whole arrays, as Trainer.fit takes them
+        (Core.fit documents every argument; a tuple's last value is the label feed).
+
+        Raises:
+            InputError: the data or an option is wrong (see onnxtrain.data.fit_data).
+
+        Example:
+            >>> tuner.fit((images, classes), epochs=3, batch_size=64, shuffle=True, validation_split=0.1)
+        """
+        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last,
+                           batch_size=batch_size, shuffle=shuffle, validation_split=validation_split, seed=seed)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from onnxtrain._engine.batches import same_signature_runs, stack
 from onnxtrain._engine.compiled import ProgramLimit
@@ -24,7 +25,8 @@ from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
 from onnxtrain.errors import InputError, ModelLoadError
-from onnxtrain.fitting import Batches, Callback, fit
+from onnxtrain.data import Data, fit_data
+from onnxtrain.fitting import Callback, fit
 from onnxtrain.proto import ModelProto
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
@@ -109,25 +111,65 @@ class Core:
             key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
             return self._inference.run(self._store.values, checked, key)
 
-    def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
-            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None,
-            steps_per_call: int = 1, drop_last: bool = False) -> dict[str, list[float]]:
+    def fit(self, batches: Data, epochs: int = 1, algorithm: int = 0, progress: bool = True,
+            callbacks: Sequence[Callback] = (), eval_data: Data | None = None,
+            steps_per_call: int = 1, drop_last: bool = False, *, batch_size: int | None = None,
+            shuffle: bool = False, validation_split: float | None = None,
+            seed: int | None = None) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
 
-        batches: a re-iterable collection of feed dicts, or a function returning a fresh
-        iterable each epoch. eval_data: batches whose outputs (e.g. the loss) are computed from
-        the current state, without updating it, after every epoch. callbacks: callback(epoch,
-        logs) after every epoch; returning True stops training. steps_per_call: run this many
-        consecutive same-shaped batches per compiled call, saving the per-step dispatch.
-        Whatever the chunk size, values and NaN/Inf checks are read back a chunk later, while
-        the device runs the next chunk. Other threads' calls may run between chunks.
-        drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from the
-        first's, so a short last batch does not compile a program of its own.
+        Args:
+            batches: batches you made (a re-iterable collection of feed dicts or of tuples in
+                the order of step_inputs(), e.g. a torch DataLoader of (x, y), or a function
+                returning a fresh iterable each epoch), or whole arrays ((x, y), or a dict
+                input name -> array) cut into batches; see onnxtrain.data.
+            epochs: how many passes over the data (a positive int).
+            algorithm: which TrainingInfoProto steps.
+            progress: show a progress bar per epoch.
+            callbacks: callback(epoch, logs) after every epoch; returning True stops training.
+            eval_data: data in any of the same forms whose outputs (e.g. the loss) are computed
+                from the current state, without updating it, after every epoch. Its first batch
+                is checked before training starts.
+            steps_per_call: run this many consecutive same-shaped batches per compiled call,
+                saving the per-step dispatch. Whatever the chunk size, values and NaN/Inf
+                checks are read back a chunk later, while the device runs the next chunk.
+                Other threads' calls may run between chunks.
+            drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from
+                the first's. Without it, a short last batch (whole arrays whose rows batch_size
+                does not divide) compiles one program more, once.
+            batch_size: rows per batch of whole arrays (default 32).
+            shuffle: visit whole arrays' rows in a new random order each epoch.
+            validation_split: hold out this last fraction of whole arrays' rows (before
+                shuffling, as Keras does) as eval_data.
+            seed: the shuffle's seed; None draws it from the trainer's PRNG key, so a trainer
+                made with the same seed shuffles the same way.
+
+        Returns:
+            The history: a list of values per name (see onnxtrain.fitting).
+
+        Raises:
+            InputError: the data or an option is wrong (see onnxtrain.data.fit_data), or a
+                batch does not fit the step's inputs; nothing has trained when the data's form
+                or the first evaluation batch is wrong.
+            NumericError: a step produced NaN or Inf under nan_policy="raise".
+
+        Example:
+            >>> history = trainer.fit((x, y), epochs=5, batch_size=64, shuffle=True, validation_split=0.2)
         """
         check = self._runner(algorithm).step.check_feeds
-        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
-                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call,
+        data = fit_data(batches, check.names, eval_data=eval_data, epochs=epochs, batch_size=batch_size,
+                        shuffle=shuffle, validation_split=validation_split,
+                        seed=self._data_seed() if seed is None else seed, convert=check.convert,
+                        check=lambda feeds: check(feeds, copy=False))
+        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), data.train, epochs,
+                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), data.eval, steps_per_call,
                    drop_last, lambda feeds: check(feeds, copy=False))
+
+    def _data_seed(self) -> list[int]:
+        """The shuffle's seed, drawn from the state's PRNG key (which each step advances)."""
+        with self._store.transaction():
+            key = self._store.key
+        return [int(word) for word in np.asarray(jax.random.key_data(key)).ravel()]
 
     def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
         """One step per batch; each run of same-shaped batches is one compiled call whose

@@ -191,7 +191,14 @@ def _typed(name: str, array: np.ndarray | jax.Array, dtype: np.dtype | None, giv
     if array.dtype.kind == "O":
         return _converted(name, array, dtype)
     raise InputError(f"input {name!r} must be {dtype}, got a {array.dtype} {type(given).__name__}; "
-                     f"convert it first, e.g. value.astype(np.{dtype.name})")
+                     f"convert it first, e.g. {_cast_hint(given, dtype)}")
+
+
+def _cast_hint(given: Any, dtype: np.dtype) -> str:
+    """How to convert `given` to `dtype`, in the words of its own library."""
+    if type(given).__module__.split(".")[0] == "torch":
+        return f"tensor.to(torch.{dtype.name})"
+    return f"value.astype(np.{dtype.name})"
 
 
 def as_array(name: str, value: Any, dtype: np.dtype | None) -> Any:
@@ -214,6 +221,23 @@ def as_array(name: str, value: Any, dtype: np.dtype | None) -> Any:
         return _strings(name, array) if dtype.kind == "O" else _converted(name, array, dtype)
     array = np.asarray(value) if isinstance(value, np.ndarray) else _foreign_array(name, value)
     return _typed(name, array, dtype, value)
+
+
+def host_array(name: str, value: Any) -> Any:
+    """`value` as an array of its own element type, for slicing into batches: numpy and live
+    jax arrays as they are, torch tensors (detached), pandas columns and other array objects
+    as numpy arrays, Python numbers and lists as numpy arrays of their natural dtype.
+
+    Raises:
+        InputError: `value` cannot be read as an array.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, jax.Array):
+        return _live_jax_array(name, value)
+    if isinstance(value, _PYTHON_VALUES):
+        return _python_array(name, value)
+    return _foreign_array(name, value)
 
 
 class FeedChecker:
@@ -239,6 +263,18 @@ class FeedChecker:
         # program is only ever handed what the check returned. One attribute, replaced whole,
         # so threads sharing the checker never see half of an update.
         self._passed: tuple[list[tuple], list[int]] = ([], [])
+
+    def convert(self, name: str, value: Any) -> Any:
+        """`value` for input `name` converted by as_array's rules against its declared dtype,
+        without the shape check (a whole dataset converted once, before it is cut into batches).
+
+        Raises:
+            InputError: `name` is not an input, or `value` breaks as_array's rules.
+        """
+        for input_name, dtype, _, tensor_input in self._inputs:
+            if input_name == name:
+                return as_array(name, value, dtype) if tensor_input else value
+        raise InputError(f"{self.where} takes inputs {self.names}, not {name!r}")
 
     def __call__(self, feeds: Mapping[str, Any], copy: bool = True) -> dict[str, Any]:
         """The feeds as arrays (see as_array), after checking names, dtypes, ranks and dims;
