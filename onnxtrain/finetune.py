@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
@@ -37,6 +37,17 @@ from onnxtrain.translate.graph import iter_initializers
 # fine-tune with it.
 if TYPE_CHECKING:
     import optax
+
+
+def _injected_hyperparameters(paths: Sequence[tuple[Any, ...]], slot_names: Sequence[str]) -> dict[str, str]:
+    """Slot name -> its path in the optimizer state, for the hyperparameters that
+    optax.inject_hyperparams keeps in the state (under `hyperparams`)."""
+    found = {}
+    for path, name in zip(paths, slot_names):
+        text = jax.tree_util.keystr(path)
+        if ".hyperparams[" in text:
+            found[name] = text
+    return found
 
 
 class FineTuner(Core):
@@ -70,8 +81,14 @@ class FineTuner(Core):
         weights = dict(iter_initializers(model.graph, lambda name: name in names))
         statistics = dict(iter_initializers(model.graph, lambda name: name in part.statistics))
         with jax.enable_x64(True):
-            slots, slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
+            paths, slot_tree = jax.tree_util.tree_flatten_with_path(optimizer.init(weights))
+        slots = [slot for _, slot in paths]
         slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
+        injected = _injected_hyperparameters([path for path, _ in paths], slot_names)
+        # Hyperparameters of an optax.inject_hyperparams optimizer are state: set_state changes them.
+        self.injected_hyperparameters: dict[str, str] = injected
+        self.learning_rate_names: tuple[str, ...] = tuple(
+            name for name, path in injected.items() if path.endswith("['learning_rate']"))
         store = StateStore({**weights, **statistics, **dict(zip(slot_names, slots))}, jax.random.key(seed))
         home = {name: None for name in [*weights, *statistics]}
         model = without_payloads(model, home)
@@ -81,11 +98,13 @@ class FineTuner(Core):
         inference = InferenceProgram(model, list(home), place, limit)
         super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit)
 
-    def fit(self, batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
-            eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False
-            ) -> dict[str, list[float]]:
-        """Train over `batches` (see Trainer.fit)."""
-        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last)
+    def fit(self, batches: Batches, epochs: int = 1, progress: bool | None = None,
+            callbacks: Sequence[Callback] = (), eval_data: Batches | None = None, steps_per_call: int = 1,
+            drop_last: bool = False, verbose: int | str | None = None) -> dict[str, list[float]]:
+        """Train over `batches` (see Trainer.fit). The learning-rate callbacks need an optimizer
+        made with optax.inject_hyperparams, whose learning rate is state."""
+        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last,
+                           verbose)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:

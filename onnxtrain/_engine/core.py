@@ -10,15 +10,17 @@ sharing one trainer each get whole calls applied in some order. A step's path:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from onnxtrain._engine.batches import same_signature_runs, stack
 from onnxtrain._engine.compiled import ProgramLimit
 from onnxtrain._engine.feeds import owned
-from onnxtrain._engine.placement import Placement
+from onnxtrain._engine.placement import Placement, host_value
 from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
@@ -33,8 +35,19 @@ from onnxtrain.state.store import StateStore, StateView
 _INFERENCE_STREAM = 0x1F
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """Host copies of state values and the PRNG key, taken by Core.snapshot."""
+
+    values: Mapping[str, np.ndarray]
+    key: jax.Array
+
+
 class Core:
     """A store of state, the step functions that update it and the inference program that reads it."""
+
+    # A callback sets it to end fit after the current chunk of steps; fit clears it when it starts.
+    stop_training: bool = False
 
     def __init__(self, model: ModelProto, store: StateStore, placement: Placement, steps: Sequence[StepFunction],
                  nan_policy: str, inference: InferenceProgram, home: Home, state_names: Sequence[str],
@@ -77,6 +90,32 @@ class Core:
         with self._store.transaction():
             self._store.set(name, value)
 
+    def get_state(self, name: str) -> np.ndarray:
+        """A host copy of one value set_state can set: a state variable, hyperparameter or slot.
+
+        Raises:
+            InputError: `name` is not one of them.
+        """
+        with self._store.transaction():
+            if name not in self._store.values:
+                raise InputError(f"{name!r} is not a state variable; known: {sorted(self._store.values)}")
+            return np.array(host_value(self._store.values[name]))
+
+    def snapshot(self, exclude: Collection[str] = ()) -> Snapshot:
+        """Host copies of every state value (but `exclude`) and the PRNG key, for restore_snapshot:
+        what save_checkpoint writes, kept in memory."""
+        with self._store.transaction():
+            # Copied: a numpy view of a CPU buffer would see the step that later donates it.
+            values = {name: np.array(host_value(value)) for name, value in self._store.values.items()
+                      if name not in exclude}
+            return Snapshot(values, self._store.key)
+
+    def restore_snapshot(self, snapshot: Snapshot) -> None:
+        """Put back the values and key of `snapshot`; values it excluded keep their current values."""
+        with self._store.transaction():
+            current = {name: value for name, value in self._store.values.items() if name not in snapshot.values}
+            self._store.restore({**snapshot.values, **current}, snapshot.key, "snapshot")
+
     def _runner(self, algorithm: int) -> StepRunner:
         if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._runners):
             raise InputError(f"algorithm={algorithm!r}: the model has {len(self._runners)} "
@@ -109,16 +148,21 @@ class Core:
             key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
             return self._inference.run(self._store.values, checked, key)
 
-    def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool = True,
+    def fit(self, batches: Batches, epochs: int = 1, algorithm: int = 0, progress: bool | None = None,
             callbacks: Sequence[Callback] = (), eval_data: Batches | None = None,
-            steps_per_call: int = 1, drop_last: bool = False) -> dict[str, list[float]]:
+            steps_per_call: int = 1, drop_last: bool = False, verbose: int | str | None = None
+            ) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
 
         batches: a re-iterable collection of feed dicts, or a function returning a fresh
         iterable each epoch. eval_data: batches whose outputs (e.g. the loss) are computed from
-        the current state, without updating it, after every epoch. callbacks: callback(epoch,
-        logs) after every epoch; returning True stops training. steps_per_call: run this many
-        consecutive same-shaped batches per compiled call, saving the per-step dispatch.
+        the current state, without updating it, after every epoch. callbacks: Callback objects
+        (onnxtrain.callbacks: hooks per step and per epoch, early stopping, checkpoints,
+        learning-rate schedules, loggers) or functions callback(epoch, logs) run after every
+        epoch, where returning True stops training. verbose: 1 a progress bar per epoch, kept
+        (default), 2 one line per epoch, 0 silent; progress=False is verbose=0.
+        steps_per_call: run this many consecutive same-shaped batches per compiled call, saving
+        the per-step dispatch.
         Whatever the chunk size, values and NaN/Inf checks are read back a chunk later, while
         the device runs the next chunk. Other threads' calls may run between chunks.
         drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from the
@@ -127,7 +171,7 @@ class Core:
         check = self._runner(algorithm).step.check_feeds
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), batches, epochs,
                    progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), eval_data, steps_per_call,
-                   drop_last, lambda feeds: check(feeds, copy=False))
+                   drop_last, lambda feeds: check(feeds, copy=False), verbose=verbose, trainer=self)
 
     def run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0) -> list[Mapping[str, Any]]:
         """One step per batch; each run of same-shaped batches is one compiled call whose
