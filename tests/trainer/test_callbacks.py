@@ -375,3 +375,30 @@ def test_callbacks_that_need_a_trainer_say_so_when_fit_has_none():
 def test_bad_arguments_are_refused_with_the_valid_choices(make, match):
     with pytest.raises(InputError, match=match):
         make()
+
+
+@pytest.mark.slow
+def test_early_stopping_restores_a_finetuners_weights_and_slots_but_not_its_injected_learning_rate(batches, held_out):
+    optax = pytest.importorskip("optax")
+    tuner = onnxtrain.finetune(_mlp(), "cross_entropy", optax.inject_hyperparams(optax.adam)(learning_rate=0.05))
+    (rate,) = tuner.learning_rate_names
+    slots = [name for name in tuner._store.values
+             if name.startswith("optimizer/") and name not in tuner.injected_hyperparameters]
+    saved = []
+
+    class Record(Callback):
+        """Each epoch's weights and optimizer slots, read as the epoch ends."""
+
+        def on_epoch_end(self, epoch, logs):
+            saved.append({name: tuner.get_state(name) for name in [*tuner.state_names, *slots]})
+            if epoch == stopper.stopped_epoch:
+                tuner.set_state(rate, 0.001)
+
+    stopper = EarlyStopping(patience=2)
+    history = tuner.fit(batches, epochs=EPOCHS, eval_data=held_out, callbacks=[stopper, Record()], verbose=0)
+    assert 0 < stopper.best_epoch < stopper.stopped_epoch == len(history["val_loss"]) - 1 < EPOCHS - 1
+    for name, value in saved[stopper.best_epoch].items():
+        np.testing.assert_array_equal(tuner.get_state(name), value, err_msg=name)
+    assert float(tuner.get_state(rate)) == pytest.approx(0.001)
+    assert float(tuner.evaluate(held_out[0])["loss"]) == pytest.approx(history["val_loss"][stopper.best_epoch],
+                                                                       rel=1e-6)
