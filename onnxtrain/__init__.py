@@ -1,7 +1,8 @@
 """onnxtrain: train ONNX models, following the training recipe the model carries.
 
-This module is the whole public surface, with the submodules optim, data, fitting, cli, backend,
-translate, state and proto. Modules under onnxtrain._engine, onnxtrain._recipe and
+This module is the whole public surface, with the submodules optim, data, callbacks,
+fitting, cli, backend, translate, state and proto. Modules under onnxtrain._engine,
+onnxtrain._recipe and
 onnxtrain._io are internal and may change without notice.
 """
 
@@ -15,7 +16,7 @@ from onnxtrain.errors import (
     ResourceError,
     UnsupportedOpError,
 )
-from onnxtrain import data, optim
+from onnxtrain import callbacks, data, optim
 from onnxtrain._engine.placement import ShardingAnnotationWarning
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
@@ -40,6 +41,7 @@ __all__ = [
     "ShardingAnnotationWarning",
     "Trainer",
     "UnsupportedOpError",
+    "callbacks",
     "data",
     "describe",
     "finetune",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
@@ -38,6 +38,17 @@ from onnxtrain.translate.graph import iter_initializers
 # fine-tune with it.
 if TYPE_CHECKING:
     import optax
+
+
+def _injected_hyperparameters(paths: Sequence[tuple[Any, ...]], slot_names: Sequence[str]) -> dict[str, str]:
+    """Slot name -> its path in the optimizer state, for the hyperparameters that
+    optax.inject_hyperparams keeps in the state (under `hyperparams`)."""
+    found = {}
+    for path, name in zip(paths, slot_names):
+        text = jax.tree_util.keystr(path)
+        if ".hyperparams[" in text:
+            found[name] = text
+    return found
 
 
 class FineTuner(Core):
@@ -72,8 +83,14 @@ class FineTuner(Core):
         weights = dict(iter_initializers(model.graph, lambda name: name in names))
         statistics = dict(iter_initializers(model.graph, lambda name: name in part.statistics))
         with jax.enable_x64(True):
-            slots, slot_tree = jax.tree_util.tree_flatten(optimizer.init(weights))
+            paths, slot_tree = jax.tree_util.tree_flatten_with_path(optimizer.init(weights))
+        slots = [slot for _, slot in paths]
         slot_names = tuple(f"optimizer/{index}" for index in range(len(slots)))
+        injected = _injected_hyperparameters([path for path, _ in paths], slot_names)
+        # Hyperparameters of an optax.inject_hyperparams optimizer are state: set_state changes them.
+        self.injected_hyperparameters: dict[str, str] = injected
+        self.learning_rate_names: tuple[str, ...] = tuple(
+            name for name, path in injected.items() if path.endswith("['learning_rate']"))
         store = StateStore({**weights, **statistics, **dict(zip(slot_names, slots))}, jax.random.key(seed))
         home = {name: None for name in [*weights, *statistics]}
         model = without_payloads(model, home)
@@ -83,12 +100,14 @@ class FineTuner(Core):
         inference = InferenceProgram(model, list(home), place, limit)
         super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit)
 
-    def fit(self, batches: Data, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
-            eval_data: Data | None = None, steps_per_call: int = 1, drop_last: bool = False, *,
-            batch_size: int | None = None, shuffle: bool = False, validation_split: float | None = None,
+    def fit(self, batches: Data, epochs: int = 1, progress: bool | None = None,
+            callbacks: Sequence[Callback] = (), eval_data: Data | None = None, steps_per_call: int = 1,
+            drop_last: bool = False, *, verbose: int | str | None = None, batch_size: int | None = None, shuffle: bool = False, validation_split: float | None = None,
             seed: int | None = None) -> dict[str, list[float]]:
         """Train over `batches`: batches you made or whole arrays, as Trainer.fit takes them
-        (Core.fit documents every argument; a tuple's last value is the label feed).
+        (Core.fit documents every argument; a tuple's last value is the label feed). The
+        learning-rate callbacks need an optimizer made with optax.inject_hyperparams, whose
+        learning rate is state.
 
         Raises:
             InputError: the data or an option is wrong (see onnxtrain.data.fit_data).
@@ -97,7 +116,7 @@ class FineTuner(Core):
             >>> tuner.fit((images, classes), epochs=3, batch_size=64, shuffle=True, validation_split=0.1)
         """
         return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last,
-                           batch_size=batch_size, shuffle=shuffle, validation_split=validation_split, seed=seed)
+                           verbose=verbose, batch_size=batch_size, shuffle=shuffle, validation_split=validation_split, seed=seed)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:

@@ -2,14 +2,14 @@
 
 History is Keras-like: `history[name]` lists every step's value of each scalar
 output (e.g. "loss"), `history["epoch_" + name]` the per-epoch means, and
-`history["val_" + name]` the per-epoch means over eval_data. The progress bar
-comes from tqdm.auto, so it renders in Jupyter as well as in terminals.
+`history["val_" + name]` the per-epoch means over eval_data. Callbacks (onnxtrain.callbacks)
+run at the start and end of training, of each epoch and of each step; what fit prints
+follows Keras's verbose levels (onnxtrain._engine.progress).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from statistics import fmean
 from typing import Any
 
 import numpy as np
@@ -17,12 +17,14 @@ import numpy as np
 from onnxtrain._engine.batches import StackBuilder
 from onnxtrain._engine.faults import Stacked, Unsettled
 from onnxtrain._engine.feeds import owned
+from onnxtrain._engine.progress import Progress, verbosity
+from onnxtrain.callbacks import CallbackLike, CallbackList
 from onnxtrain.errors import InputError
 
 Feeds = Mapping[str, Any]
 Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
-# callback(epoch, logs) -> True to stop training after this epoch.
-Callback = Callable[[int, dict[str, float]], bool | None]
+# A Callback object, or callback(epoch, logs) -> True to stop training after this epoch.
+Callback = CallbackLike
 
 
 def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
@@ -100,10 +102,11 @@ def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches)
 
 
 def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
-        batches: Batches, epochs: int = 1, progress: bool = True, callbacks: Sequence[Callback] = (),
+        batches: Batches, epochs: int = 1, progress: bool | None = None, callbacks: Sequence[Callback] = (),
         evaluate: Callable[[Feeds], Mapping[str, Any]] | None = None,
         eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False,
-        prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds) -> dict[str, list[float]]:
+        prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds, *, verbose: int | str | None = None,
+        trainer: Any = None) -> dict[str, list[float]]:
     """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
@@ -111,10 +114,11 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     checks of Unsettled parts (their `settle`), so the host prepares the next chunk while the
     device computes this one, never waiting for a progress-bar update. drop_last skips an
     epoch's last batch when its batch size differs from the first's. prepare(feeds) checks and
-    converts each batch as it arrives, before a chunk holds it.
+    converts each batch as it arrives, before a chunk holds it. verbose (progress=False is 0):
+    see onnxtrain._engine.progress. callbacks: Callback objects or functions (epoch, logs) ->
+    True to stop; `trainer` is what their on_train_begin receives. A stop asked for by a step
+    hook ends the epoch after the chunk already dispatched.
     """
-    from tqdm.auto import tqdm
-
     if epochs > 1 and not callable(batches) and iter(batches) is batches:
         raise InputError("fit(epochs>1) needs batches it can iterate again: a list, a re-iterable "
                          "dataset, or a function returning a new iterator each epoch")
@@ -122,26 +126,30 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         raise InputError("eval_data needs an evaluation function")
     if steps_per_call < 1:
         raise InputError(f"steps_per_call must be at least 1, got {steps_per_call}")
+    level = verbosity(verbose, progress)
+    hooks = CallbackList(callbacks, trainer, {"epochs": epochs, "verbose": level})
+    display = Progress(level, epochs)
     history: dict[str, list[float]] = {}
+    logs: dict[str, float] = {}
+    hooks.train_begin()
     for epoch in range(epochs):
         epoch_batches = _epoch_batches(batches)
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
-        bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
-                   leave=epoch == epochs - 1)
+        hooks.epoch_begin(epoch, total)
+        display.epoch_begin(epoch, total)
         epoch_values: dict[str, list[float]] = {}
 
         def record(outputs: Any) -> None:
             for part in outputs:
                 if isinstance(part, Unsettled):
                     part.settle()
-            for step in per_step_scalars(outputs):
+            steps = per_step_scalars(outputs)
+            for step in steps:
                 for name, value in step.items():
                     history.setdefault(name, []).append(value)
                     epoch_values.setdefault(name, []).append(value)
-            if progress:
-                # fmean, not np.mean: converting the list to an array shows in a small model's step time.
-                bar.set_postfix({name: f"{fmean(v[-20:]):.4g}" for name, v in epoch_values.items()},
-                                refresh=False)
+                hooks.step_end(step)
+            display.advance(len(steps), epoch_values)
 
         pending = None
         # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
@@ -151,17 +159,17 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
             if pending is not None:
                 record(pending)
             pending = outputs
-            bar.update(len(chunk))
+            if hooks.stop:
+                break
         if pending is not None:
             record(pending)
-        bar.close()
         logs = {f"epoch_{name}": float(np.mean(values)) for name, values in epoch_values.items()}
         if eval_data is not None:
             logs.update({f"val_{name}": value for name, value in _mean_over(evaluate, eval_data).items()})
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
-        if progress and logs:
-            bar.write(f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v:.4g}" for k, v in logs.items()))
-        if any(callback(epoch, logs) for callback in callbacks):
+        display.epoch_end(epoch, logs)
+        if hooks.epoch_end(epoch, logs):
             break
+    hooks.train_end(logs)
     return history

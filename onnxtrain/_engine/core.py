@@ -10,7 +10,8 @@ sharing one trainer each get whole calls applied in some order. A step's path:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 from onnxtrain._engine.batches import same_signature_runs, stack
 from onnxtrain._engine.compiled import ProgramLimit
 from onnxtrain._engine.feeds import owned
-from onnxtrain._engine.placement import Placement
+from onnxtrain._engine.placement import Placement, host_value
 from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
@@ -35,8 +36,19 @@ from onnxtrain.state.store import StateStore, StateView
 _INFERENCE_STREAM = 0x1F
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """Host copies of state values and the PRNG key, taken by Core.snapshot."""
+
+    values: Mapping[str, np.ndarray]
+    key: jax.Array
+
+
 class Core:
     """A store of state, the step functions that update it and the inference program that reads it."""
+
+    # A callback sets it to end fit after the current chunk of steps; fit clears it when it starts.
+    stop_training: bool = False
 
     def __init__(self, model: ModelProto, store: StateStore, placement: Placement, steps: Sequence[StepFunction],
                  nan_policy: str, inference: InferenceProgram, home: Home, state_names: Sequence[str],
@@ -79,6 +91,32 @@ class Core:
         with self._store.transaction():
             self._store.set(name, value)
 
+    def get_state(self, name: str) -> np.ndarray:
+        """A host copy of one value set_state can set: a state variable, hyperparameter or slot.
+
+        Raises:
+            InputError: `name` is not one of them.
+        """
+        with self._store.transaction():
+            if name not in self._store.values:
+                raise InputError(f"{name!r} is not a state variable; known: {sorted(self._store.values)}")
+            return np.array(host_value(self._store.values[name]))
+
+    def snapshot(self, exclude: Collection[str] = ()) -> Snapshot:
+        """Host copies of every state value (but `exclude`) and the PRNG key, for restore_snapshot:
+        what save_checkpoint writes, kept in memory."""
+        with self._store.transaction():
+            # Copied: a numpy view of a CPU buffer would see the step that later donates it.
+            values = {name: np.array(host_value(value)) for name, value in self._store.values.items()
+                      if name not in exclude}
+            return Snapshot(values, self._store.key)
+
+    def restore_snapshot(self, snapshot: Snapshot) -> None:
+        """Put back the values and key of `snapshot`; values it excluded keep their current values."""
+        with self._store.transaction():
+            current = {name: value for name, value in self._store.values.items() if name not in snapshot.values}
+            self._store.restore({**snapshot.values, **current}, snapshot.key, "snapshot")
+
     def _runner(self, algorithm: int) -> StepRunner:
         if not isinstance(algorithm, int) or not 0 <= algorithm < len(self._runners):
             raise InputError(f"algorithm={algorithm!r}: the model has {len(self._runners)} "
@@ -111,9 +149,10 @@ class Core:
             key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
             return self._inference.run(self._store.values, checked, key)
 
-    def fit(self, batches: Data, epochs: int = 1, algorithm: int = 0, progress: bool = True,
+    def fit(self, batches: Data, epochs: int = 1, algorithm: int = 0, progress: bool | None = None,
             callbacks: Sequence[Callback] = (), eval_data: Data | None = None,
-            steps_per_call: int = 1, drop_last: bool = False, *, batch_size: int | None = None,
+            steps_per_call: int = 1, drop_last: bool = False, *, verbose: int | str | None = None,
+            batch_size: int | None = None,
             shuffle: bool = False, validation_split: float | None = None,
             seed: int | None = None) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
@@ -125,8 +164,10 @@ class Core:
                 input name -> array) cut into batches; see onnxtrain.data.
             epochs: how many passes over the data (a positive int).
             algorithm: which TrainingInfoProto steps.
-            progress: show a progress bar per epoch.
-            callbacks: callback(epoch, logs) after every epoch; returning True stops training.
+            progress: False is verbose=0 (kept for older code).
+            callbacks: Callback objects (onnxtrain.callbacks: hooks per step and per epoch,
+                early stopping, checkpoints, learning-rate schedules, loggers) or functions
+                callback(epoch, logs) run after every epoch, where returning True stops training.
             eval_data: data in any of the same forms whose outputs (e.g. the loss) are computed
                 from the current state, without updating it, after every epoch. Its first batch
                 is checked before training starts.
@@ -137,6 +178,7 @@ class Core:
             drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from
                 the first's. Without it, a short last batch (whole arrays whose rows batch_size
                 does not divide) compiles one program more, once.
+            verbose: 1 a progress bar per epoch, kept (default), 2 one line per epoch, 0 silent.
             batch_size: rows per batch of whole arrays (default 32).
             shuffle: visit whole arrays' rows in a new random order each epoch.
             validation_split: hold out this last fraction of whole arrays' rows (before
@@ -163,7 +205,7 @@ class Core:
                         check=lambda feeds: check(feeds, copy=False))
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), data.train, epochs,
                    progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), data.eval, steps_per_call,
-                   drop_last, lambda feeds: check(feeds, copy=False))
+                   drop_last, lambda feeds: check(feeds, copy=False), verbose=verbose, trainer=self)
 
     def _data_seed(self) -> list[int]:
         """The shuffle's seed, drawn from the state's PRNG key (which each step advances)."""

@@ -35,12 +35,6 @@ def test_history_has_steps_epoch_means_and_eval_means():
     assert "vector" not in history
 
 
-def test_the_progress_bar_shows_the_mean_of_the_last_20_values(capsys):
-    fit(Counter(), [{}] * 30, progress=True)
-    bar = capsys.readouterr().err.rsplit("\r", 1)[-1]
-    assert "30/30" in bar and "loss=20.5" in bar   # mean of the losses 11..30
-
-
 def test_a_callback_can_stop_training_and_sees_the_epoch_logs():
     seen = []
     history = fit(Counter(), [{}] * 3, epochs=5, progress=False,
