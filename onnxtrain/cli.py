@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxtrain import optim
 from onnxtrain.errors import InputError, OnnxTrainError
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe, optimizer_nodes
@@ -33,9 +34,9 @@ from onnxtrain.proto import ModelProto
 
 DEMO_MODEL = "mlp_classifier.onnx"
 FINETUNE_DEMO_MODEL = "digits_cnn.onnx"
-OPTIMIZERS = ("adam", "momentum", "sgd", "adagrad")
-# finetune's optimizers are optax's, which also has AdamW.
-OPTAX_OPTIMIZERS = (*OPTIMIZERS, "adamw")
+OPTIMIZERS = tuple(optim.OPTIMIZERS)
+# finetune's optimizers are optax's, under the same names.
+OPTAX_OPTIMIZERS = OPTIMIZERS
 LOSSES = tuple(BUILT_IN)
 Batch = dict[str, np.ndarray]
 # A list of batches, or a function returning the next epoch's (shuffled) list.
@@ -81,11 +82,9 @@ def _trainable_section(model) -> str:
 
 
 def _make_training(arguments: argparse.Namespace) -> int:
-    from onnxtrain import optim
     from onnxtrain._recipe.builder import make_training_model
 
-    optimizer = {"adam": optim.Adam, "momentum": optim.Momentum, "sgd": optim.SGD,
-                 "adagrad": optim.Adagrad}[arguments.optimizer](lr=arguments.lr)
+    optimizer = optim.get(arguments.optimizer, lr=arguments.lr)
     model = make_training_model(arguments.model, loss=arguments.loss, output=arguments.output,
                                 optimizer=optimizer, trainable=arguments.trainable, label=arguments.label,
                                 ignore_index=arguments.ignore_index,
