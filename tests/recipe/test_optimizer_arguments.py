@@ -43,7 +43,7 @@ def _learning_rate(model):
     ("momentum", "Momentum", 1e-2, False), ("adagrad", "Adagrad", 1e-2, False),
 ])
 def test_names_give_the_optimizer_with_its_defaults(name, op_type, lr, decays):
-    model = onnxtrain.make_training_model(_linear(), optimizer=name)
+    model = onnxtrain.make_training_model(_linear(), "mse", optimizer=name)
     assert _optimizer_node(model).op_type == op_type
     assert _learning_rate(model) == pytest.approx(lr)
     assert any("weight_decay" in n.input for n in model.training_info[0].algorithm.node) == decays
@@ -53,15 +53,15 @@ def test_names_give_the_optimizer_with_its_defaults(name, op_type, lr, decays):
 
 
 def test_default_and_get_with_options():
-    assert _optimizer_node(onnxtrain.make_training_model(_linear())).op_type == "Adam"
+    assert _optimizer_node(onnxtrain.make_training_model(_linear(), "mse")).op_type == "Adam"
     assert optim.get("adam", lr=0.1) == optim.Adam(lr=0.1)
     assert optim.get(optim.SGD(lr=0.1), clip_norm=1.0) == optim.SGD(lr=0.1, clip_norm=1.0)
-    model = onnxtrain.make_training_model(_linear(), optimizer=optim.get("momentum", lr=0.5))
+    model = onnxtrain.make_training_model(_linear(), "mse", optimizer=optim.get("momentum", lr=0.5))
     assert _learning_rate(model) == pytest.approx(0.5)
 
 
 def test_a_name_trains():
-    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(_linear(), optimizer="sgd"))
+    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(_linear(), "mse", optimizer="sgd"))
     x = np.ones((2, 4), np.float32)
     trainer.step({"x": x, "labels": np.zeros((2, 3), np.float32)})
     # mse gradient of W is x.T @ 2 (xW + B) / 6; SGD's default lr 1e-2.
@@ -73,7 +73,7 @@ def test_an_optax_optimizer_points_to_finetune():
     optax = pytest.importorskip("optax")
     for transformation in (optax.adam(1e-3), optax.MultiSteps(optax.sgd(0.1), 2)):
         with pytest.raises(InputError, match=r"onnxtrain\.finetune") as caught:
-            onnxtrain.make_training_model(_linear(), optimizer=transformation)
+            onnxtrain.make_training_model(_linear(), "mse", optimizer=transformation)
         assert "adamw" in str(caught.value)
 
 
@@ -85,7 +85,7 @@ def test_an_optax_optimizer_points_to_finetune():
 ])
 def test_other_values_are_refused_with_the_choices(value, message):
     with pytest.raises(InputError, match=message):
-        onnxtrain.make_training_model(_linear(), optimizer=value)
+        onnxtrain.make_training_model(_linear(), "mse", optimizer=value)
 
 
 @pytest.mark.parametrize("build, message", [
@@ -107,8 +107,8 @@ def test_bad_settings_are_input_errors(build, message):
 
 def test_adamw_mask_must_name_trained_weights():
     with pytest.raises(InputError, match=r"mask names \['w'\], which are not trainable weights"):
-        onnxtrain.make_training_model(_linear(), optimizer=optim.AdamW(mask=["w"]))
-    model = onnxtrain.make_training_model(_linear(), optimizer=optim.AdamW(mask=["W"]))
+        onnxtrain.make_training_model(_linear(), "mse", optimizer=optim.AdamW(mask=["w"]))
+    model = onnxtrain.make_training_model(_linear(), "mse", optimizer=optim.AdamW(mask=["W"]))
     decayed = {n.input[1] for n in model.training_info[0].algorithm.node if n.output[0].endswith(".decay")}
     assert decayed == {"W"}
 
@@ -116,6 +116,6 @@ def test_adamw_mask_must_name_trained_weights():
 def test_plain_optimizer_writes_no_extra_nodes():
     """Without a schedule, clipping, decay or accumulation the update part is the optimizer node
     and the counter increment, as before these features."""
-    model = onnxtrain.make_training_model(_linear(), optimizer=optim.Adam(lr=0.1))
+    model = onnxtrain.make_training_model(_linear(), "mse", optimizer=optim.Adam(lr=0.1))
     ops = [n.op_type for n in model.training_info[0].algorithm.node]
     assert ops[ops.index("Gradient") + 1:] == ["Adam", "Add"]
