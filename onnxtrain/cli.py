@@ -108,9 +108,10 @@ def _train(arguments: argparse.Namespace) -> int:
     trainer.export(arguments.out, training=True)
     if arguments.inference_out:
         trainer.export(arguments.inference_out, training=False)
-    epochs = {name: values for name, values in history.items() if name.startswith("epoch_")}
-    for name, values in epochs.items():
-        print(f"{name[6:]}: " + " -> ".join(f"{value:.4g}" for value in values))
+    # Per-epoch values only (history["step_*"] holds each step's).
+    for name, values in history.items():
+        if not name.startswith("step_"):
+            print(f"{name}: " + " -> ".join(f"{value:.4g}" for value in values))
     print(f"wrote {arguments.out}" + (f" and {arguments.inference_out}" if arguments.inference_out else ""))
     return 0
 

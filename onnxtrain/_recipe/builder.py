@@ -22,11 +22,13 @@ import numpy as np
 
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
-from onnxtrain._recipe.objective import FLOATS, Names, Trainable, objective, trainable_names
+from onnxtrain._recipe.evaluation import LossSpec, record as record_evaluation
+from onnxtrain._recipe.objective import FLOATS, Names, Objective, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
 from onnxtrain.errors import BindingError
 from onnxtrain.optim import Adam, Optimizer
-from onnxtrain.proto import GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto
+from onnxtrain.proto import (GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
+                             ValueInfoProto)
 from onnxtrain.proto.make import bindings, node, opset, tensor_value_info
 from onnxtrain.translate.graph import graph_initializers
 from onnxtrain.translate.registry import TRAINING_DOMAIN
@@ -64,6 +66,21 @@ def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.nda
         graph.output.append(tensor_value_info(output, data_type_of(value.dtype), list(value.shape)))
         bound[state] = output
     return graph, bound
+
+
+def _expose_prediction(algorithm: GraphProto, part: Objective, output: ValueInfoProto, label: str,
+                       index: int) -> LossSpec:
+    """Make each step return its prediction (an unbound algorithm output, which training
+    metrics read), and describe the loss so evaluation can apply it to the main graph's
+    prediction (see _recipe/evaluation.py)."""
+    returned = part.fresh("prediction")
+    algorithm.node.append(node("Identity", [part.prediction], [returned]))
+    value = ValueInfoProto()
+    value.CopyFrom(output)
+    value.name = returned
+    algorithm.output.append(value)
+    return LossSpec(algorithm=index, prediction=part.output, step_prediction=part.prediction, label=label,
+                    loss=part.loss, output=returned)
 
 
 def make_training_model(
@@ -135,6 +152,7 @@ def make_training_model(
 
     loss_type = outputs[output].type.tensor_type.elem_type or TensorProto.FLOAT
     algorithm.output.append(tensor_value_info(loss_name, loss_type, []))
+    evaluation = _expose_prediction(algorithm, part, outputs[output], label, len(model.training_info))
     updates = dict(zip(weights, new_weights))
     for slot in optimizer.slots:
         updates.update(zip(slots[slot], new_slots[slot]))
@@ -153,6 +171,7 @@ def make_training_model(
     info.update_binding.extend(bindings(updates))
     info.initialization_binding.extend(bindings(init_bound))
     model.training_info.append(info)
+    record_evaluation(model, evaluation)
     if not any(o.domain == TRAINING_DOMAIN for o in model.opset_import):
         model.opset_import.append(opset(TRAINING_DOMAIN, 1))
     model.ir_version = max(model.ir_version, 7)
