@@ -66,7 +66,7 @@ def read(model: ModelProto) -> dict[int, LossSpec]:
                         ("prediction", "step_prediction", "label", "loss", "output")):
                     raise TypeError("a field has the wrong type")
                 specs[spec.algorithm] = spec
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, RecursionError) as error:
             logger.warning("metadata_props[%r] is not a list of loss descriptions (%s); evaluation runs "
                            "the training step without committing instead", EVALUATION_KEY, error)
             return {}

@@ -92,6 +92,7 @@ def test_validation_loss_is_the_exported_models_at_any_eval_batch_size(tmp_path)
     # fit's eval_data is the same evaluation, after the epoch's steps.
     history = trainer.fit(batches(train_x, train_labels, 8), progress=False, eval_data=batches(x, labels, 7))
     trainer.export(tmp_path / "inference.onnx", training=False)
+    assert not read(onnx.load(str(tmp_path / "inference.onnx")))   # no training_info for the names to describe
     logits = served(tmp_path / "inference.onnx", x)
     expected = cross_entropy(logits, labels)
 
