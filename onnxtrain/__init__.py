@@ -1,6 +1,6 @@
 """onnxtrain: train ONNX models, following the training recipe the model carries.
 
-This module is the whole public surface, with the submodules optim, data, callbacks,
+This module is the whole public surface, with the submodules optim, data, metrics, callbacks,
 fitting, cli, backend, translate, state and proto. Modules under onnxtrain._engine,
 onnxtrain._recipe and
 onnxtrain._io are internal and may change without notice.
@@ -16,7 +16,7 @@ from onnxtrain.errors import (
     ResourceError,
     UnsupportedOpError,
 )
-from onnxtrain import callbacks, data, optim
+from onnxtrain import callbacks, data, metrics, optim
 from onnxtrain._engine.placement import ShardingAnnotationWarning
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
@@ -47,6 +47,7 @@ __all__ = [
     "finetune",
     "load_model",
     "make_training_model",
+    "metrics",
     "optim",
     "run",
     "save_model",

@@ -154,10 +154,10 @@ def _checkpoint_every_epoch(trainer: Any, path: Path | None) -> list:
 
 
 def _print_history(history: dict[str, list[float]]) -> None:
+    # Per-epoch values only (history["step_*"] holds each step's).
     for name, values in history.items():
-        if name.startswith(("epoch_", "val_")):
-            label = name[6:] if name.startswith("epoch_") else name
-            print(f"{label}: " + " -> ".join(f"{value:.4g}" for value in values))
+        if not name.startswith("step_"):
+            print(f"{name}: " + " -> ".join(f"{value:.4g}" for value in values))
 
 
 def _learning_rate_variable(model: ModelProto, algorithm: int, state: Mapping[str, Any]) -> str:

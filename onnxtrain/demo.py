@@ -70,8 +70,8 @@ def finetune_demo(model_path: Path, epochs: int = 6, out_dir: Path | None = None
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="onnxtrain-demo-"))
     exported = out_dir / "digits_cnn_finetuned.onnx"
     trainer.export(exported, training=False)
-    losses = history["epoch_loss"]
-    print(f"\nfine-tuned {len(history['loss'])} steps on {len(train)} images, "
+    losses = history["loss"]
+    print(f"\nfine-tuned {len(history['step_loss'])} steps on {len(train)} images, "
           f"{trainer.compilations} compilations")
     print("  loss per epoch  " + " -> ".join(f"{loss:.3f}" for loss in losses))
     print(f"  test accuracy   {before:.3f} -> {after:.3f} ({len(test)} held-out images, digits 0-9)")

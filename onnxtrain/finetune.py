@@ -21,16 +21,18 @@ from onnxtrain._engine.compiled import DEFAULT_MAX_PROGRAMS, ProgramLimit
 from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
 from onnxtrain._engine.optax_step import LossFunction, OptaxStep
-from onnxtrain._engine.placement import placement
-from onnxtrain._engine.programs import InferenceProgram
+from onnxtrain._engine.placement import Placement, placement
+from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram
 from onnxtrain._io.export import without_payloads
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
-from onnxtrain._recipe.objective import Trainable, objective, trainable_names
+from onnxtrain._recipe.evaluation import LossSpec, loss_part
+from onnxtrain._recipe.objective import Objective, Trainable, objective, trainable_names
 from onnxtrain.errors import BindingError, ExportError
 from onnxtrain.data import Data
 from onnxtrain.fitting import Callback
-from onnxtrain.proto import GraphProto
+from onnxtrain.metrics import MetricsArgument
+from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.state.store import StateStore
 from onnxtrain.translate.graph import iter_initializers
 
@@ -98,16 +100,19 @@ class FineTuner(Core):
         step = OptaxStep(model, part, names, optimizer, slot_names, slot_tree, label,
                          loss if callable(loss) else None, place)
         inference = InferenceProgram(model, list(home), place, limit)
-        super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit)
+        super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit,
+                         evaluations=[_evaluation(model, part, label, loss, list(home), place, limit)])
 
     def fit(self, batches: Data, epochs: int = 1, progress: bool | None = None,
             callbacks: Sequence[Callback] = (), eval_data: Data | None = None, steps_per_call: int = 1,
-            drop_last: bool = False, *, verbose: int | str | None = None, batch_size: int | None = None, shuffle: bool = False, validation_split: float | None = None,
+            drop_last: bool = False, metrics: MetricsArgument = None, *, verbose: int | str | None = None,
+            batch_size: int | None = None, shuffle: bool = False, validation_split: float | None = None,
             seed: int | None = None) -> dict[str, list[float]]:
         """Train over `batches`: batches you made or whole arrays, as Trainer.fit takes them
-        (Core.fit documents every argument; a tuple's last value is the label feed). The
-        learning-rate callbacks need an optimizer made with optax.inject_hyperparams, whose
-        learning rate is state.
+        (Core.fit documents every argument; a tuple's last value is the label feed). eval_data
+        and evaluate() use the inference program and the same loss. The learning-rate
+        callbacks need an optimizer made with optax.inject_hyperparams, whose learning rate is
+        state.
 
         Raises:
             InputError: the data or an option is wrong (see onnxtrain.data.fit_data).
@@ -115,8 +120,9 @@ class FineTuner(Core):
         Example:
             >>> tuner.fit((images, classes), epochs=3, batch_size=64, shuffle=True, validation_split=0.1)
         """
-        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last,
-                           verbose=verbose, batch_size=batch_size, shuffle=shuffle, validation_split=validation_split, seed=seed)
+        return super().fit(batches, epochs, 0, progress, callbacks, eval_data, steps_per_call, drop_last, metrics,
+                           verbose=verbose, batch_size=batch_size, shuffle=shuffle,
+                           validation_split=validation_split, seed=seed)
 
     def export(self, path: str | os.PathLike, training: bool = False,
                external_data: bool | str | None = None) -> None:
@@ -130,6 +136,19 @@ class FineTuner(Core):
             raise ExportError("an optax optimizer has no ONNX form, so finetune() exports inference "
                               "models only; use make_training_model for a model that carries its recipe")
         self._write(path, False, external_data)
+
+
+def _evaluation(model: ModelProto, part: Objective, label: str, loss: str | GraphProto | LossFunction,
+                variables: list[str], place: Placement, limit: ProgramLimit) -> EvaluationProgram | None:
+    """The inference program followed by the objective's loss of its prediction (or the JAX loss
+    function applied to it): what evaluate() and fit's eval_data run."""
+    if callable(loss) and not isinstance(loss, (str, GraphProto)):
+        return EvaluationProgram(model, variables, place, limit, part.output, label, loss_function=loss)
+    spec = LossSpec(algorithm=0, prediction=part.output, step_prediction=part.prediction, label=label,
+                    loss=part.loss, output="prediction")
+    loss_nodes = loss_part(part.graph, spec)
+    return None if loss_nodes is None else EvaluationProgram(model, variables, place, limit, part.output, label,
+                                                             loss_nodes)
 
 
 def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,

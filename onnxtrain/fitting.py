@@ -1,15 +1,23 @@
-"""The training loop of Trainer and FineTuner: epochs, progress bar, history, callbacks.
+"""The training loop of Trainer and FineTuner: epochs, progress bar, history, metrics, callbacks.
 
-History is Keras-like: `history[name]` lists every step's value of each scalar
-output (e.g. "loss"), `history["epoch_" + name]` the per-epoch means, and
-`history["val_" + name]` the per-epoch means over eval_data. Callbacks (onnxtrain.callbacks)
-run at the start and end of training, of each epoch and of each step; what fit prints
-follows Keras's verbose levels (onnxtrain._engine.progress).
+History is Keras-like, one value per epoch under each name:
+
+- `history["loss"]` (and every other scalar step output, and each metric such as
+  `history["accuracy"]`): the epoch's mean over its training steps, each step weighted by its
+  batch size; metrics come from each step's own prediction, so they describe the model as it
+  trained (Dropout active, BatchNorm on batch statistics), like Keras's;
+- `history["val_loss"]`, `history["val_accuracy"]`: the same over eval_data after the epoch,
+  with inference semantics (see Core.evaluate);
+- `history["step_loss"]`, `history["step_accuracy"]`: one value per training step.
+
+The logs a callback gets after each epoch hold the epoch's values ("loss", "val_loss", ...).
+Callbacks (onnxtrain.callbacks) run at the start and end of training, of each epoch and of
+each step; what fit prints follows Keras's verbose levels (onnxtrain._engine.progress).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +28,7 @@ from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.progress import Progress, verbosity
 from onnxtrain.callbacks import CallbackLike, CallbackList
 from onnxtrain.errors import InputError
+from onnxtrain.metrics import MetricSet, WeightedMeans, batch_size
 
 Feeds = Mapping[str, Any]
 Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
@@ -27,23 +36,33 @@ Batches = Iterable[Feeds] | Callable[[], Iterable[Feeds]]
 Callback = CallbackLike
 
 
-def _scalars(outputs: Mapping[str, Any]) -> dict[str, float]:
-    return {name: float(np.asarray(value)) for name, value in outputs.items() if np.size(value) == 1}
+def _scalars(outputs: Mapping[str, Any], skip: Container[str] = ()) -> dict[str, float]:
+    return {name: float(np.asarray(value)) for name, value in outputs.items()
+            if np.size(value) == 1 and name not in skip}
 
 
-def per_step_scalars(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
-    """Scalar outputs of each step, from one step's outputs or Stacked ones per part (one
-    transfer per stacked array, however many steps it holds)."""
+def per_step_scalars(parts: Sequence[Mapping[str, Any]], skip: Container[str] = ()) -> list[dict[str, float]]:
+    """Scalar outputs of each step (but those named in `skip`), from one step's outputs or
+    Stacked ones per part (one transfer per stacked array, however many steps it holds)."""
     steps = []
     for part in parts:
         if not isinstance(part, Stacked):
-            steps.append(_scalars(part))
+            steps.append(_scalars(part, skip))
             continue
-        host = {name: np.asarray(value) for name, value in part.items()}
+        host = {name: np.asarray(value) for name, value in part.items() if name not in skip}
         count = len(next(iter(host.values()))) if host else 0
         steps += [{name: float(value[i]) for name, value in host.items() if value[i].size == 1}
                   for i in range(count)]
     return steps
+
+
+def per_step_values(parts: Sequence[Mapping[str, Any]], name: str) -> list[np.ndarray]:
+    """Output `name` of each step, on the host."""
+    values: list[np.ndarray] = []
+    for part in parts:
+        value = np.asarray(part[name])
+        values += list(value) if isinstance(part, Stacked) else [value]
+    return values
 
 
 def _epoch_batches(batches: Batches) -> Iterable[Feeds]:
@@ -93,20 +112,30 @@ def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
         yield chunk
 
 
-def _mean_over(evaluate: Callable[[Feeds], Mapping[str, Any]], batches: Batches) -> dict[str, float]:
-    totals: dict[str, list[float]] = {}
+def evaluate_batches(evaluate: Callable[[Feeds], tuple[Mapping[str, Any], Mapping[str, Any]]],
+                     batches: Batches, metrics: MetricSet | None = None) -> dict[str, float]:
+    """Scalar outputs and metrics over `batches`, each batch weighted by its batch size.
+
+    evaluate(feeds) returns (outputs, the feeds as checked); metrics compare
+    outputs[metrics.prediction] with the checked feeds[metrics.label].
+    """
+    means = WeightedMeans()
+    skip = () if metrics is None or metrics.prediction is None else (metrics.prediction,)
     for feeds in _epoch_batches(batches):
-        for name, value in _scalars(evaluate(feeds)).items():
-            totals.setdefault(name, []).append(value)
-    return {name: float(np.mean(values)) for name, values in totals.items()}
+        outputs, checked = evaluate(feeds)
+        values = _scalars(outputs, skip)
+        if metrics:
+            values.update(metrics(outputs[metrics.prediction], checked[metrics.label]))
+        means.add(values, batch_size(checked))
+    return means.result()
 
 
 def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         batches: Batches, epochs: int = 1, progress: bool | None = None, callbacks: Sequence[Callback] = (),
-        evaluate: Callable[[Feeds], Mapping[str, Any]] | None = None,
+        evaluate: Callable[[Feeds], tuple[Mapping[str, Any], Mapping[str, Any]]] | None = None,
         eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False,
-        prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds, *, verbose: int | str | None = None,
-        trainer: Any = None) -> dict[str, list[float]]:
+        prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds, metrics: MetricSet | None = None, *,
+        verbose: int | str | None = None, trainer: Any = None) -> dict[str, list[float]]:
     """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
@@ -114,10 +143,15 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     checks of Unsettled parts (their `settle`), so the host prepares the next chunk while the
     device computes this one, never waiting for a progress-bar update. drop_last skips an
     epoch's last batch when its batch size differs from the first's. prepare(feeds) checks and
-    converts each batch as it arrives, before a chunk holds it. verbose (progress=False is 0):
-    see onnxtrain._engine.progress. callbacks: Callback objects or functions (epoch, logs) ->
-    True to stop; `trainer` is what their on_train_begin receives. A stop asked for by a step
-    hook ends the epoch after the chunk already dispatched.
+    converts each batch as it arrives, before a chunk holds it. evaluate(feeds) returns
+    (outputs, checked feeds) for one batch of eval_data (see evaluate_batches). metrics:
+    computed from each step's output metrics.prediction and feed metrics.label. verbose
+    (progress=False is 0): see onnxtrain._engine.progress. callbacks: Callback objects or
+    functions (epoch, logs) -> True to stop; `trainer` is what their on_train_begin receives.
+    A stop asked for by a step hook ends the epoch after the chunk already dispatched.
+
+    Returns:
+        The history (see the module docstring).
     """
     if epochs > 1 and not callable(batches) and iter(batches) is batches:
         raise InputError("fit(epochs>1) needs batches it can iterate again: a list, a re-iterable "
@@ -129,6 +163,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     level = verbosity(verbose, progress)
     hooks = CallbackList(callbacks, trainer, {"epochs": epochs, "verbose": level})
     display = Progress(level, epochs)
+    skip = () if metrics is None or metrics.prediction is None else (metrics.prediction,)
     history: dict[str, list[float]] = {}
     logs: dict[str, float] = {}
     hooks.train_begin()
@@ -137,35 +172,43 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
         hooks.epoch_begin(epoch, total)
         display.epoch_begin(epoch, total)
-        epoch_values: dict[str, list[float]] = {}
+        recent: dict[str, list[float]] = {}
+        means = WeightedMeans()
 
-        def record(outputs: Any) -> None:
+        def record(outputs: Any, labels: list[np.ndarray], sizes: list[int]) -> None:
             for part in outputs:
                 if isinstance(part, Unsettled):
                     part.settle()
-            steps = per_step_scalars(outputs)
-            for step in steps:
+            steps = per_step_scalars(outputs, skip)
+            if metrics:
+                for step, prediction, label in zip(steps, per_step_values(outputs, metrics.prediction), labels):
+                    step.update(metrics(prediction, label))
+            for step, size in zip(steps, sizes):
+                means.add(step, size)
                 for name, value in step.items():
-                    history.setdefault(name, []).append(value)
-                    epoch_values.setdefault(name, []).append(value)
+                    history.setdefault(f"step_{name}", []).append(value)
+                    recent.setdefault(name, []).append(value)
                 hooks.step_end(step)
-            display.advance(len(steps), epoch_values)
+            display.advance(len(steps), recent)
 
         pending = None
         # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
         steps = map(prepare, epoch_batches)
         for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
+            # Labels are copied now: a loader may refill their buffer before the outputs come back.
+            labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []
+            sizes = [batch_size(feeds) if isinstance(feeds, Mapping) else 1 for feeds in chunk]
             outputs = run_steps(chunk)
             if pending is not None:
-                record(pending)
-            pending = outputs
+                record(*pending)
+            pending = (outputs, labels, sizes)
             if hooks.stop:
                 break
         if pending is not None:
-            record(pending)
-        logs = {f"epoch_{name}": float(np.mean(values)) for name, values in epoch_values.items()}
+            record(*pending)
+        logs = means.result()
         if eval_data is not None:
-            logs.update({f"val_{name}": value for name, value in _mean_over(evaluate, eval_data).items()})
+            logs.update({f"val_{name}": value for name, value in evaluate_batches(evaluate, eval_data, metrics).items()})
         for name, value in logs.items():
             history.setdefault(name, []).append(value)
         display.epoch_end(epoch, logs)

@@ -23,7 +23,7 @@ from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
 from onnxtrain._engine.graph_step import GraphStep
 from onnxtrain._engine.placement import placement
-from onnxtrain._engine.programs import InferenceProgram, InitializationProgram
+from onnxtrain._engine.programs import InferenceProgram, InitializationProgram, recorded_evaluation
 from onnxtrain._io.export import stored_key, without_payloads
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.training_info import initial_values, validate
@@ -107,8 +107,10 @@ class Trainer(Core):
         self._initializations = [InitializationProgram(model, i) if info.HasField("initialization") else None
                                  for i, info in enumerate(model.training_info)]
         steps = [GraphStep(model, i, variables, place) for i in range(len(model.training_info))]
+        evaluations = [recorded_evaluation(model, i, variables, place, limit) for i in range(len(steps))]
         super().__init__(model, store, place, steps, nan_policy, InferenceProgram(model, variables, place, limit),
-                         home, layout.names, [p for p in self._initializations if p is not None], limit)
+                         home, layout.names, [p for p in self._initializations if p is not None], limit,
+                         evaluations)
         self.hyperparameter_names: tuple[str, ...] = tuple(hyper)
 
     @property

@@ -50,6 +50,8 @@ def test_finetune_exported_model(tmp_path):
     before = _figure(text, r"test accuracy before fine-tuning: ([\d.]+)")
     after = _figure(text, r"test accuracy after fine-tuning: ([\d.]+)")
     assert before < 0.7 and after > 0.9
+    # The held-out data is one batch, so the last epoch's val_accuracy is the test accuracy.
+    assert _figure(text, r"held-out accuracy per epoch [\d.]+ -> ([\d.]+)") == after
     assert _figure(text, r"onnxruntime accuracy ([\d.]+)") == after
     assert _figure(text, r"max difference from onnxtrain: ([\deE.+-]+)") < 1e-4
     first, last = (float(v) for v in re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", text).groups())

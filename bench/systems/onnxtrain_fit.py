@@ -21,7 +21,7 @@ steps_per_call = task.get("steps_per_call", common.STEPS_PER_CALL)
 
 
 def run(batches):
-    return trainer.fit(batches, progress=False, steps_per_call=steps_per_call)["loss"]
+    return trainer.fit(batches, progress=False, steps_per_call=steps_per_call)["step_loss"]
 
 
 common.report(**common.time_calls(run, common.batches(task), task, steps_per_call=steps_per_call),

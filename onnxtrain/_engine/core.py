@@ -9,6 +9,7 @@ sharing one trainer each get whole calls applied in some order. A step's path:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,16 +22,19 @@ from onnxtrain._engine.batches import same_signature_runs, stack
 from onnxtrain._engine.compiled import ProgramLimit
 from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.placement import Placement, host_value
-from onnxtrain._engine.programs import InferenceProgram, Program, host_copy
+from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Program, host_copy
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
 from onnxtrain.errors import InputError, ModelLoadError
 from onnxtrain.data import Data, fit_data
-from onnxtrain.fitting import Callback, fit
+from onnxtrain.fitting import Batches, Callback, evaluate_batches, fit
+from onnxtrain.metrics import MetricSet, MetricsArgument
 from onnxtrain.proto import ModelProto
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
+
+logger = logging.getLogger("onnxtrain")
 
 # Inference draws from its own stream of the state's key, so it never replays a step's numbers.
 _INFERENCE_STREAM = 0x1F
@@ -52,19 +56,27 @@ class Core:
 
     def __init__(self, model: ModelProto, store: StateStore, placement: Placement, steps: Sequence[StepFunction],
                  nan_policy: str, inference: InferenceProgram, home: Home, state_names: Sequence[str],
-                 other_programs: Sequence[Program] = (), limit: ProgramLimit | None = None):
+                 other_programs: Sequence[Program] = (), limit: ProgramLimit | None = None,
+                 evaluations: Sequence[EvaluationProgram | None] = ()):
         """model: the model without the stored values' payloads (see export.without_payloads);
         home: where each exported value's initializer lives; state_names: what `state` shows;
-        limit: how many programs each step function keeps (`inference` has its own)."""
+        limit: how many programs each step function keeps (`inference` has its own);
+        evaluations: per step function, the program evaluate() runs (the main graph and the
+        loss of its prediction), or None where the loss cannot be separated from the step."""
         self._model = model
         self._store = store
         self._placement = placement
         store.place(placement.place_state, placement.replicate)
         limit = limit or ProgramLimit()
         self._runners = [StepRunner(step, nan_policy, placement, store.transaction(), limit) for step in steps]
+        # Per algorithm, made at the first fit with metrics: the step returning its prediction too.
+        self._measuring: dict[int, StepRunner] = {}
+        self._nan_policy, self._limit = nan_policy, limit
         self._inference = inference
         self._home = dict(home)
-        self._other_programs = list(other_programs)
+        self._evaluations = [*evaluations, *[None] * (len(steps) - len(evaluations))]
+        self._other_programs = [*other_programs, *(p for p in self._evaluations if p is not None)]
+        self._dry_run_said = False
         self.state_names: tuple[str, ...] = tuple(state_names)
 
     @property
@@ -77,14 +89,16 @@ class Core:
         """Programs compiled so far: one per program and feed signature, and one more each time a
         signature evicted by max_programs comes back."""
         programs = [self._inference, *self._other_programs]
-        return sum(runner.compilations() for runner in self._runners) + sum(p.compilations() for p in programs)
+        runners = [*self._runners, *self._measuring.values()]
+        return sum(runner.compilations() for runner in runners) + sum(p.compilations() for p in programs)
 
     @property
     def programs_kept(self) -> int:
         """Compiled programs held now: at most max_programs feed signatures' worth per step,
         evaluation and inference program."""
         programs = [self._inference, *self._other_programs]
-        return sum(runner.kept() for runner in self._runners) + sum(p.kept() for p in programs)
+        runners = [*self._runners, *self._measuring.values()]
+        return sum(runner.kept() for runner in runners) + sum(p.kept() for p in programs)
 
     def set_state(self, name: str, value: Any) -> None:
         """Replace a state variable or hyperparameter (same shape and dtype); no recompilation."""
@@ -123,6 +137,16 @@ class Core:
                              f"TrainingInfoProto(s), numbered 0..{len(self._runners) - 1}")
         return self._runners[algorithm]
 
+    def _measuring_runner(self, algorithm: int) -> StepRunner:
+        """The runner of algorithm's step that also returns the step's prediction (for training
+        metrics); only models naming their prediction get here (MetricSet checks)."""
+        runner = self._runner(algorithm)
+        if algorithm not in self._measuring:
+            step = runner.step.with_prediction()
+            self._measuring[algorithm] = StepRunner(step, self._nan_policy, self._placement,
+                                                    self._store.transaction(), self._limit)
+        return self._measuring[algorithm]
+
     def _placed(self, runner: StepRunner, feeds: Mapping[str, Any]) -> dict[str, Any]:
         return self._placement.place_batch(runner.step.check_feeds(feeds), runner.step.where)
 
@@ -136,11 +160,69 @@ class Core:
         """The feed names step(feeds, algorithm) takes."""
         return list(self._runner(algorithm).step.check_feeds.names)
 
-    def evaluate(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
-        """What step() would return for these feeds, without changing any state."""
-        runner = self._runner(algorithm)
+    def evaluate(self, data: Mapping[str, Any] | Batches, algorithm: int = 0,
+                 metrics: MetricsArgument = None) -> dict[str, Any]:
+        """The loss, predictions and metrics the exported inference model gives; changes no state.
+
+        Models built by make_training_model or finetune are evaluated with inference semantics:
+        the main graph on the current state (BatchNormalization on its running statistics, no
+        Dropout), then the recipe's loss of its prediction. A hand-written recipe whose loss
+        cannot be separated from its training pass is evaluated by running the training step
+        without committing it (Dropout and BatchNorm as in training; said once in the log).
+
+        Args:
+            data: one feed dict, or batches (a re-iterable of feed dicts, or a function
+                returning one).
+            algorithm: which TrainingInfoProto's loss (and step inputs).
+            metrics: names in onnxtrain.metrics ("accuracy", "top_k_accuracy", "mae", "mse"),
+                functions (predictions, labels) -> float, or a dict {name: function}.
+
+        Returns:
+            For one feed dict: the step's unbound outputs (e.g. "loss" and, for models that
+            name it, "prediction") as arrays, and each metric as a float. For batches: the
+            scalar outputs and metrics as floats, averaged over the batches weighted by batch
+            size.
+
+        Raises:
+            InputError: a bad feed, an unknown metric, or metrics on a model that does not
+                name its prediction and label.
+
+        Example:
+            >>> trainer.evaluate(held_out_batches, metrics=["accuracy"])
+            {'loss': 0.31, 'accuracy': 0.91}
+        """
+        measured = self._metric_set(algorithm, metrics)   # checks `algorithm` too
+        if isinstance(data, Mapping):
+            outputs, checked = self._evaluate_batch(data, algorithm)
+            if measured:
+                outputs.update(measured(outputs[measured.prediction], checked[measured.label]))
+            return outputs
+        return evaluate_batches(lambda feeds: self._evaluate_batch(feeds, algorithm), data, measured)
+
+    def _metric_set(self, algorithm: int, metrics: MetricsArgument) -> MetricSet:
+        where = self._runner(algorithm).step.where
+        program = self._evaluations[algorithm]
+        if program is None:
+            return MetricSet(metrics, None, None, where)
+        return MetricSet(metrics, program.names[1], program.label, where)
+
+    def _evaluate_batch(self, feeds: Mapping[str, Any], algorithm: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(outputs, the checked feeds) of one evaluation batch."""
+        program = self._evaluations[algorithm]
+        if program is None:
+            runner = self._runner(algorithm)
+            if not self._dry_run_said:
+                self._dry_run_said = True
+                logger.info("%s: the loss cannot be separated from the training pass (a hand-written "
+                            "recipe), so evaluation runs the training step without committing it: Dropout "
+                            "and BatchNormalization behave as in training", runner.step.where)
+            with self._store.transaction():
+                checked = runner.step.check_feeds(feeds)
+                return runner.evaluate(self._store, self._placement.place_batch(checked, runner.step.where)), checked
         with self._store.transaction():
-            return runner.evaluate(self._store, self._placed(runner, feeds))
+            checked = program.check_feeds(feeds)
+            key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
+            return program.run(self._store.values, self._placement.replicate(checked), key), checked
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The main graph's outputs with the current state; changes nothing."""
@@ -151,8 +233,8 @@ class Core:
 
     def fit(self, batches: Data, epochs: int = 1, algorithm: int = 0, progress: bool | None = None,
             callbacks: Sequence[Callback] = (), eval_data: Data | None = None,
-            steps_per_call: int = 1, drop_last: bool = False, *, verbose: int | str | None = None,
-            batch_size: int | None = None,
+            steps_per_call: int = 1, drop_last: bool = False, metrics: MetricsArgument = None, *,
+            verbose: int | str | None = None, batch_size: int | None = None,
             shuffle: bool = False, validation_split: float | None = None,
             seed: int | None = None) -> dict[str, list[float]]:
         """Step through `batches` `epochs` times (see onnxtrain.fitting for the history's layout).
@@ -168,9 +250,9 @@ class Core:
             callbacks: Callback objects (onnxtrain.callbacks: hooks per step and per epoch,
                 early stopping, checkpoints, learning-rate schedules, loggers) or functions
                 callback(epoch, logs) run after every epoch, where returning True stops training.
-            eval_data: data in any of the same forms whose outputs (e.g. the loss) are computed
-                from the current state, without updating it, after every epoch. Its first batch
-                is checked before training starts.
+            eval_data: data in any of the same forms, evaluated after every epoch as
+                evaluate() does (inference semantics; logged as "val_loss", "val_<metric>").
+                Its first batch is checked before training starts.
             steps_per_call: run this many consecutive same-shaped batches per compiled call,
                 saving the per-step dispatch. Whatever the chunk size, values and NaN/Inf
                 checks are read back a chunk later, while the device runs the next chunk.
@@ -178,6 +260,8 @@ class Core:
             drop_last: skip the last batch of an epoch when its batch size (axis 0) differs from
                 the first's. Without it, a short last batch (whole arrays whose rows batch_size
                 does not divide) compiles one program more, once.
+            metrics: as evaluate() takes them; computed from each step's own prediction for
+                training (no second forward pass) and logged per epoch.
             verbose: 1 a progress bar per epoch, kept (default), 2 one line per epoch, 0 silent.
             batch_size: rows per batch of whole arrays (default 32).
             shuffle: visit whole arrays' rows in a new random order each epoch.
@@ -203,9 +287,12 @@ class Core:
                         shuffle=shuffle, validation_split=validation_split,
                         seed=self._data_seed() if seed is None else seed, convert=check.convert,
                         check=lambda feeds: check(feeds, copy=False))
-        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True), data.train, epochs,
-                   progress, callbacks, lambda feeds: self.evaluate(feeds, algorithm), data.eval, steps_per_call,
-                   drop_last, lambda feeds: check(feeds, copy=False), verbose=verbose, trainer=self)
+        measured = self._metric_set(algorithm, metrics)
+        runner = self._measuring_runner(algorithm) if measured else self._runner(algorithm)
+        return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True, runner=runner), data.train,
+                   epochs, progress, callbacks, lambda feeds: self._evaluate_batch(feeds, algorithm), data.eval,
+                   steps_per_call, drop_last, lambda feeds: check(feeds, copy=False), measured, verbose=verbose,
+                   trainer=self)
 
     def _data_seed(self) -> list[int]:
         """The shuffle's seed, drawn from the state's PRNG key (which each step advances)."""
@@ -219,8 +306,8 @@ class Core:
         return self._run_steps(batches, algorithm)
 
     def _run_steps(self, batches: Sequence[Mapping[str, Any]], algorithm: int = 0,
-                   settle_later: bool = False) -> list[Mapping[str, Any]]:
-        runner, place = self._runner(algorithm), self._placement
+                   settle_later: bool = False, runner: StepRunner | None = None) -> list[Mapping[str, Any]]:
+        runner, place = runner or self._runner(algorithm), self._placement
         where = runner.step.where
         with self._store.transaction():
             # Uncopied: a run of batches is stacked into a new array (or, from fit, rows of one

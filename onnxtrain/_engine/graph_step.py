@@ -7,6 +7,7 @@ which the caller assigns together. Graphs that draw random numbers split the key
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
 from onnxtrain._engine.programs import Program, checked_assignment
 from onnxtrain._engine.update_tail import update_tail
+from onnxtrain._recipe.evaluation import read as read_loss_specs
 from onnxtrain._recipe.training_info import combined_graph
 from onnxtrain.proto import ModelProto
 from onnxtrain.translate.graph import any_node, draws_random
@@ -43,7 +45,12 @@ class GraphStep(Program):
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound_outputs = {value for _, value in self.bindings}
         self.bound = tuple(key for key, _ in self.bindings)
-        self.returned = [o.name for o in info.algorithm.output if o.name not in bound_outputs]
+        spec = read_loss_specs(model).get(index)
+        # The step's prediction (make_training_model's unbound output for metrics) is returned
+        # only by the copy with_prediction() makes: a language model's logits are large.
+        self.prediction = spec.output if spec is not None else None
+        self.returned = [o.name for o in info.algorithm.output
+                         if o.name not in bound_outputs and o.name != self.prediction]
         plan = self.translated.plan
         self.random = draws_random(plan)
         self.loop_averse = any_node(plan, _loop_averse)
@@ -51,6 +58,15 @@ class GraphStep(Program):
         given = {*plan.inputs, *plan.constants, *self.translated.params, *self.variables}
         # What the tail reads that only the graph computes (the gradients, typically).
         self.tail_inputs = [name for name in self.tail.reads if name not in given]
+
+    def with_prediction(self) -> GraphStep | None:
+        """This step returning its prediction too (sharing the translation), or None when the
+        model names none."""
+        if self.prediction is None:
+            return None
+        measuring = copy.copy(self)
+        measuring.returned = [*self.returned, self.prediction]
+        return measuring
 
     def _updates(self, state: Mapping[str, Any], outputs: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{self.where}.update_binding"

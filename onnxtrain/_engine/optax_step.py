@@ -11,6 +11,7 @@ running statistics are state too, updated by every step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +41,11 @@ class OptaxStep(Program):
                  label: str, loss_function: LossFunction | None, placement: Placement):
         algorithm = objective.graph
         self._loss = objective.loss or objective.prediction
+        self._prediction = objective.prediction
         self._statistics = dict(objective.statistics)
-        algorithm.output.extend(ValueInfoProto(name=name) for name in [self._loss, *self._statistics.values()])
+        main_outputs = {value.name for value in model.graph.output}
+        returned = dict.fromkeys([self._loss, self._prediction, *self._statistics.values()])
+        algorithm.output.extend(ValueInfoProto(name=name) for name in returned if name not in main_outputs)
         graph = concatenated(model.graph.name, (model.graph, algorithm), {*trainable, *self._statistics})
         super().__init__(model, graph, [*trainable, *self._statistics], "fine-tuning", placement,
                          "fine-tuning step")
@@ -55,18 +59,25 @@ class OptaxStep(Program):
         self.random = draws_random(self.translated.plan)
         self.loop_averse = False
         self.tail, self.tail_inputs = None, []
+        self.prediction: str | None = None   # "prediction" in the copy with_prediction() makes
+
+    def with_prediction(self) -> OptaxStep:
+        """This step returning its prediction too, as "prediction" (sharing the translation)."""
+        measuring = copy.copy(self)
+        measuring.prediction = "prediction"
+        return measuring
 
     def _objective(self, weights: dict, state: Mapping[str, Any], constants: Mapping[str, Any],
                    feeds: Mapping[str, Any], key: jax.Array | None) -> tuple:
-        """(loss, the BatchNorm statistics' new values)."""
+        """(loss, (the prediction, the BatchNorm statistics' new values))."""
         inputs = feeds if self._loss_function is None else {n: v for n, v in feeds.items() if n != self._label}
         outputs = self.translated.apply(self.params({**state, **weights}, constants), inputs, key)
         loss = outputs[self._loss]
         if self._loss_function is not None:
             loss = self._loss_function(loss, feeds[self._label])
         where = "fine-tuning: BatchNormalization's running statistic"
-        return loss, {name: checked_assignment(name, outputs[new], state[name], where)
-                      for name, new in self._statistics.items()}
+        return loss, (outputs[self._prediction], {name: checked_assignment(name, outputs[new], state[name], where)
+                                                   for name, new in self._statistics.items()})
 
     def __call__(self, state: Mapping[str, Any], key: jax.Array | None, constants: Mapping[str, Any],
                  feeds: Mapping[str, Any], kept: Sequence[str] = ()) -> tuple:
@@ -75,13 +86,14 @@ class OptaxStep(Program):
         key, subkey = jax.random.split(key) if self.random else (key, None)
         weights = {name: state[name] for name in self.trainable}
         slots = jax.tree_util.tree_unflatten(self._slot_tree, [state[name] for name in self._slot_names])
-        (loss, statistics), grads = jax.value_and_grad(self._objective, has_aux=True)(
+        (loss, (prediction, statistics)), grads = jax.value_and_grad(self._objective, has_aux=True)(
             weights, state, constants, feeds, subkey)
         grads = {name: row_major(grad) for name, grad in grads.items()}
         updates, slots = self._optimizer.update(grads, slots, weights)
         weights = optax.apply_updates(weights, updates)
         new_slots = dict(zip(self._slot_names, jax.tree_util.tree_leaves(slots)))
-        return key, {**weights, **new_slots, **statistics}, {"loss": loss}, {}
+        outputs = {"loss": loss} if self.prediction is None else {"loss": loss, self.prediction: prediction}
+        return key, {**weights, **new_slots, **statistics}, outputs, {}
 
     def eager(self, state: Mapping[str, Any], key: jax.Array, feeds: Mapping[str, Any]) -> tuple:
         raise ModelLoadError("fine-tuning needs a model JAX can compile for these feed shapes, and this "

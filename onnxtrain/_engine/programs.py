@@ -7,7 +7,7 @@ are arguments, never baked-in constants, so changing them never recompiles.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,9 +18,10 @@ from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.feeds import FeedChecker
 from onnxtrain._engine.labels import with_label_check
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement, host_value
-from onnxtrain._recipe.training_info import light_graph, model_of
+from onnxtrain._recipe.evaluation import loss_part, read as read_loss_specs
+from onnxtrain._recipe.training_info import concatenated, light_graph, model_of
 from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
-from onnxtrain.proto import GraphProto, ModelProto
+from onnxtrain.proto import GraphProto, ModelProto, ValueInfoProto
 from onnxtrain.translate.graph import initializer_names
 # _host_only: the one definition of the values XLA cannot take (strings, 6-bit floats).
 from onnxtrain.translate.model import EagerSignatures, TranslatedModel, _host_only, static_input_names
@@ -111,15 +112,23 @@ class InferenceProgram(Program):
     """The main graph with the current state; reads the store, never writes it."""
 
     def __init__(self, model: ModelProto, variables: Sequence[str], placement: Placement = DEFAULT_DEVICE,
-                 limit: ProgramLimit | None = None):
-        """limit: how many programs (one per feed signature) inference keeps."""
-        super().__init__(model, light_graph(model.graph, set(variables)), variables, "main graph", placement,
-                         "inference (main graph)")
-        self._compiled = Compiled(self.translated._traced, "inference (main graph)", limit or ProgramLimit(), 1)
+                 limit: ProgramLimit | None = None, graph: GraphProto | None = None,
+                 where: str = "main graph", feeds_where: str = "inference (main graph)"):
+        """limit: how many programs (one per feed signature) inference keeps. graph: what runs
+        instead of the main graph (a subclass's graph that extends it)."""
+        super().__init__(model, light_graph(model.graph if graph is None else graph, set(variables)), variables,
+                         where, placement, feeds_where)
+        self._compiled = Compiled(self._traced, feeds_where, limit or ProgramLimit(), 1)
         self._eager_signatures = EagerSignatures()
 
+    def _traced(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self.translated._traced(params, feeds, key)
+
+    def _eager(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self.translated(params, feeds, key)
+
     def run(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
-        """The main graph's outputs: compiled once per feed signature (a bounded number of programs
+        """The graph's outputs: compiled once per feed signature (a bounded number of programs
         kept), op by op where the graph cannot be traced."""
         params = self.params(values)
         if feeds not in self._eager_signatures and not _host_only(list(feeds.values())):
@@ -131,13 +140,70 @@ class InferenceProgram(Program):
                 except NeedsHostValues:
                     self._eager_signatures.add(feeds)
         # Strings, and graphs that cannot be traced (the translated model says so, once): op by op.
-        return self.translated(params, feeds, key)
+        return self._eager(params, feeds, key)
 
     def compilations(self) -> int:
         return self._compiled.compilations() + super().compilations()
 
     def kept(self) -> int:
         return self._compiled.kept() + super().kept()
+
+
+class EvaluationProgram(InferenceProgram):
+    """The main graph, then the loss of its prediction: the loss and prediction the exported
+    inference model gives (BatchNorm on running statistics, no Dropout), from the current state.
+
+    The loss comes from loss nodes that follow the main graph (`loss_part`, see
+    _recipe/evaluation.py), or from a JAX function of the prediction and the label feed.
+    run() returns {loss_name: loss, prediction_name: prediction}: the names the training
+    step returns them under.
+    """
+
+    def __init__(self, model: ModelProto, variables: Sequence[str], placement: Placement, limit: ProgramLimit,
+                 prediction: str, label: str, loss_part: GraphProto | None = None,
+                 loss_function: Callable[[Any, Any], Any] | None = None,
+                 names: tuple[str, str] = ("loss", "prediction")):
+        """prediction: the main-graph output the loss is of; label: the label feed; loss_part:
+        the loss nodes (reading `prediction` and the label) or None with loss_function;
+        names: the names run() returns the loss and the prediction under."""
+        graph = (model.graph if loss_part is None
+                 else concatenated(model.graph.name, (model.graph, loss_part), set(variables)))
+        super().__init__(model, variables, placement, limit, graph, "evaluation", "evaluation")
+        self.prediction, self.label = prediction, label
+        self.names = names
+        self._loss = None if loss_part is None else loss_part.output[0].name
+        self._loss_function = loss_function
+        if loss_function is not None:
+            self.check_feeds = FeedChecker([*self.declared_inputs, ValueInfoProto(name=label)], "evaluation")
+
+    def _graph_feeds(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        return feeds if self._loss_function is None else {n: v for n, v in feeds.items() if n != self.label}
+
+    def _selected(self, outputs: Mapping[str, Any], feeds: Mapping[str, Any]) -> dict[str, Any]:
+        prediction = outputs[self.prediction]
+        loss = (outputs[self._loss] if self._loss_function is None
+                else self._loss_function(prediction, feeds[self.label]))
+        return {self.names[0]: loss, self.names[1]: prediction}
+
+    def _traced(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self._selected(self.translated._traced(params, self._graph_feeds(feeds), key), feeds)
+
+    def _eager(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self._selected(self.translated(params, self._graph_feeds(feeds), key), feeds)
+
+
+def recorded_evaluation(model: ModelProto, index: int, variables: Sequence[str], placement: Placement,
+                        limit: ProgramLimit) -> EvaluationProgram | None:
+    """The evaluation of training_info[index] that the model's metadata describes (see
+    _recipe/evaluation.py), or None where it describes none or its loss cannot be separated."""
+    spec = read_loss_specs(model).get(index)
+    if spec is None or index >= len(model.training_info):
+        return None
+    part = loss_part(model.training_info[index].algorithm, spec)
+    if part is None or spec.prediction not in {value.name for value in model.graph.output}:
+        return None
+    return EvaluationProgram(model, variables, placement, limit, spec.prediction, spec.label, part,
+                             names=(spec.loss, spec.output))
 
 
 def host_copy(values: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from onnxtrain._io.model import save_model
+from onnxtrain._recipe.evaluation import EVALUATION_KEY
 from onnxtrain._recipe.training_info import light_graph
 from onnxtrain.errors import BindingError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
@@ -90,7 +91,9 @@ def write_model(model: ModelProto, values: Mapping[str, np.ndarray], home: Home,
             replace_initializer(out.graph, name, value)
         elif key is not None:
             replace_initializer(out.training_info[place].algorithm, name, value)
-    kept = [entry for entry in out.metadata_props if entry.key != KEY_METADATA]
+    # An inference model has no training_info for the evaluation names to describe.
+    dropped = {KEY_METADATA} if key is not None else {KEY_METADATA, EVALUATION_KEY}
+    kept = [entry for entry in out.metadata_props if entry.key not in dropped]
     del out.metadata_props[:]
     out.metadata_props.extend(kept)
     if key is None:

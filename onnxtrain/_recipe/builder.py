@@ -24,13 +24,15 @@ import numpy as np
 
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
-from onnxtrain._recipe.objective import FLOATS, Names, Trainable, objective, trainable_names
+from onnxtrain._recipe.evaluation import LossSpec, record as record_evaluation
+from onnxtrain._recipe.objective import FLOATS, Names, Objective, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
 from onnxtrain._recipe.update import update_nodes
 from onnxtrain import optim
 from onnxtrain.errors import BindingError
 from onnxtrain.optim import Optimizer
-from onnxtrain.proto import GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto
+from onnxtrain.proto import (GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
+                             ValueInfoProto)
 from onnxtrain.proto.make import bindings, node, opset, tensor_value_info
 from onnxtrain.translate.graph import graph_initializers
 from onnxtrain.translate.registry import TRAINING_DOMAIN
@@ -68,6 +70,21 @@ def _initialization(names: dict[str, np.ndarray], reinitialize: dict[str, np.nda
         graph.output.append(tensor_value_info(output, data_type_of(value.dtype), list(value.shape)))
         bound[state] = output
     return graph, bound
+
+
+def _expose_prediction(algorithm: GraphProto, part: Objective, output: ValueInfoProto, label: str,
+                       index: int) -> LossSpec:
+    """Make each step return its prediction (an unbound algorithm output, which training
+    metrics read), and describe the loss so evaluation can apply it to the main graph's
+    prediction (see _recipe/evaluation.py)."""
+    returned = part.fresh("prediction")
+    algorithm.node.append(node("Identity", [part.prediction], [returned]))
+    value = ValueInfoProto()
+    value.CopyFrom(output)
+    value.name = returned
+    algorithm.output.append(value)
+    return LossSpec(algorithm=index, prediction=part.output, step_prediction=part.prediction, label=label,
+                    loss=part.loss, output=returned)
 
 
 def make_training_model(
@@ -146,19 +163,20 @@ def make_training_model(
     algorithm.node.append(node("Gradient", [*weights, *data_inputs, label], gradients,
                                domain=TRAINING_DOMAIN, xs=weights, zs=[*data_inputs, label], y=loss_name))
 
-    part = update_nodes(optimizer, weights, gradients, values, fresh)
-    algorithm.node.extend(part.nodes)
-    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in part.zeros.items())
-    for name, value in {**part.counters, **part.hyperparameters}.items():
+    update = update_nodes(optimizer, weights, gradients, values, fresh)
+    algorithm.node.extend(update.nodes)
+    algorithm.sparse_initializer.extend(_zeros(name, value) for name, value in update.zeros.items())
+    for name, value in {**update.counters, **update.hyperparameters}.items():
         algorithm.initializer.append(numpy_to_tensor(value, name))
-    state_values = {**part.zeros, **part.counters}
+    state_values = {**update.zeros, **update.counters}
 
     loss_type = outputs[output].type.tensor_type.elem_type or TensorProto.FLOAT
     algorithm.output.append(tensor_value_info(loss_name, loss_type, []))
+    evaluation = _expose_prediction(algorithm, part, outputs[output], label, len(model.training_info))
     # BatchNorm statistics go before the counters, as the update part lists weights and slots first.
-    updates = {name: value for name, value in part.updates.items() if name not in part.counters}
+    updates = {name: value for name, value in update.updates.items() if name not in update.counters}
     updates.update(statistics)
-    updates.update((name, value) for name, value in part.updates.items() if name in part.counters)
+    updates.update((name, value) for name, value in update.updates.items() if name in update.counters)
     for state, value_name in updates.items():
         value = state_values[state] if state in state_values else values[state]
         algorithm.output.append(tensor_value_info(value_name, data_type_of(value.dtype), list(value.shape)))
@@ -172,6 +190,7 @@ def make_training_model(
     info.update_binding.extend(bindings(updates))
     info.initialization_binding.extend(bindings(init_bound))
     model.training_info.append(info)
+    record_evaluation(model, evaluation)
     if not any(o.domain == TRAINING_DOMAIN for o in model.opset_import):
         model.opset_import.append(opset(TRAINING_DOMAIN, 1))
     model.ir_version = max(model.ir_version, 7)

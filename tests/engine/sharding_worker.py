@@ -40,7 +40,7 @@ def batches(name: str, count: int) -> list[dict[str, np.ndarray]]:
 def train(trainer, feeds: list[dict[str, np.ndarray]]) -> list[float]:
     """Three single steps, then the rest through fit() two steps per compiled call."""
     losses = [float(trainer.step(batch)["loss"]) for batch in feeds[:3]]
-    return losses + trainer.fit(feeds[3:], progress=False, steps_per_call=2)["loss"]
+    return losses + trainer.fit(feeds[3:], progress=False, steps_per_call=2)["step_loss"]
 
 
 def state_difference(expected, actual) -> dict[str, tuple[float, float]]:

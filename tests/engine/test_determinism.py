@@ -36,7 +36,7 @@ def _run(seed: int, steps_per_call: int = 1) -> tuple[list[float], dict[str, np.
     trainer = onnxtrain.Trainer(MODEL, seed=seed)
     trainer.initialize()
     history = trainer.fit(BATCHES, epochs=4, progress=False, steps_per_call=steps_per_call)
-    return history["loss"], {name: np.asarray(trainer.state[name]) for name in trainer.state_names}
+    return history["step_loss"], {name: np.asarray(trainer.state[name]) for name in trainer.state_names}
 
 
 def test_same_seed_same_bits_different_seed_different_draws():

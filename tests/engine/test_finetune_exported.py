@@ -106,8 +106,8 @@ def test_optax_adamw_with_cosine_schedule_fine_tunes_the_cnn_without_recompiling
     compiled = tuner.compilations
     history = tuner.fit(batches, epochs=3, progress=False)
     assert tuner.compilations == compiled
-    assert history["epoch_loss"][-1] < 0.5 * before
-    assert len(history["loss"]) == 60 and compiled == 3
+    assert history["loss"][-1] < 0.5 * before
+    assert len(history["step_loss"]) == 60 and compiled == 3
 
 
 @pytest.mark.slow

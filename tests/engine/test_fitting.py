@@ -25,14 +25,14 @@ class Counter:
         return outputs
 
 
-def test_history_has_steps_epoch_means_and_eval_means():
+def test_history_has_epoch_means_eval_means_and_steps_under_their_own_key():
     step = Counter()
     history = fit(step, [{}] * 4, epochs=2, progress=False,
-                  evaluate=lambda feeds: {"loss": feeds["v"]}, eval_data=[{"v": 1.0}, {"v": 3.0}])
-    assert history["loss"] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert history["epoch_loss"] == [2.5, 6.5]
+                  evaluate=lambda feeds: ({"loss": feeds["v"]}, feeds), eval_data=[{"v": 1.0}, {"v": 3.0}])
+    assert history["step_loss"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert history["loss"] == [2.5, 6.5]
     assert history["val_loss"] == [2.0, 2.0]
-    assert "vector" not in history
+    assert "vector" not in history and "step_vector" not in history
 
 
 def test_a_callback_can_stop_training_and_sees_the_epoch_logs():
@@ -40,15 +40,15 @@ def test_a_callback_can_stop_training_and_sees_the_epoch_logs():
     history = fit(Counter(), [{}] * 3, epochs=5, progress=False,
                   callbacks=[lambda epoch, logs: seen.append((epoch, logs)) or epoch == 1])
     assert [epoch for epoch, _ in seen] == [0, 1]
-    assert seen[1][1] == {"epoch_loss": 5.0}
-    assert len(history["loss"]) == 6
+    assert seen[1][1] == {"loss": 5.0}
+    assert len(history["step_loss"]) == 6
 
 
 def test_one_shot_iterators_serve_one_epoch_and_callables_many():
     with pytest.raises(InputError, match="iterate again"):
         fit(Counter(), iter([{}] * 3), epochs=2, progress=False)
     history = fit(Counter(), lambda: iter([{}] * 3), epochs=2, progress=False)
-    assert len(history["loss"]) == 6
+    assert len(history["step_loss"]) == 6
 
 
 def _mlp_training_model():
@@ -80,8 +80,8 @@ def test_steps_per_call_runs_the_same_steps_in_fewer_compiled_calls():
     one, scanned = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
     history_one = one.fit(batches, epochs=2, progress=False)
     history_scanned = scanned.fit(batches, epochs=2, progress=False, steps_per_call=4)
-    np.testing.assert_allclose(history_scanned["loss"], history_one["loss"], rtol=1e-5)
-    assert len(history_scanned["loss"]) == 18
+    np.testing.assert_allclose(history_scanned["step_loss"], history_one["step_loss"], rtol=1e-5)
+    assert len(history_scanned["step_loss"]) == 18
     for name in one.state_names:
         np.testing.assert_allclose(scanned.state[name], one.state[name], rtol=1e-4, atol=1e-6)
     assert scanned._runners[0].plan(scanned._store).multi.compilations() == 1   # every run of 4 shares one program
@@ -118,7 +118,7 @@ def test_steps_per_call_loop_on_the_device_unless_the_graph_convolves(convolves)
     model = _conv_training_model() if convolves else _mlp_training_model()
     one, chunked = onnxtrain.Trainer(model), onnxtrain.Trainer(model)
     losses = [float(one.step(batch)["loss"]) for batch in batches]
-    np.testing.assert_allclose(chunked.fit(batches, progress=False, steps_per_call=4)["loss"], losses, rtol=1e-5)
+    np.testing.assert_allclose(chunked.fit(batches, progress=False, steps_per_call=4)["step_loss"], losses, rtol=1e-5)
     for name in one.state_names:
         np.testing.assert_allclose(chunked.state[name], one.state[name], rtol=1e-4, atol=1e-6)
     runner, store = chunked._runners[0], chunked._store
@@ -201,5 +201,5 @@ def test_fit_with_several_steps_per_call_keeps_every_batch_of_a_loader_that_refi
 
     history = refilled.fit(loader, progress=False, steps_per_call=4)
     expected = [float(reference.step(feeds)["loss"]) for feeds in batches]
-    np.testing.assert_allclose(history["loss"], expected, rtol=1e-5)
+    np.testing.assert_allclose(history["step_loss"], expected, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(refilled.state["W"]), np.asarray(reference.state["W"]), rtol=1e-5, atol=1e-7)

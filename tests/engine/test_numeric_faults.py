@@ -226,7 +226,7 @@ def test_fit_one_step_per_call_skips_faulty_steps_a_step_late(caplog):
     with caplog.at_level(logging.WARNING, logger="onnxtrain"):
         history = skipping.fit(batches, progress=False)
     assert sum("skipped" in record.getMessage() for record in caplog.records) == 2
-    assert len(history["loss"]) == 5 and np.isnan(history["loss"][1]) and np.isnan(history["loss"][3])
+    assert len(history["step_loss"]) == 5 and np.isnan(history["step_loss"][1]) and np.isnan(history["step_loss"][3])
     for feeds in batches[::2]:
         reference.step(feeds)
     _assert_same(_state(skipping), _state(reference))

@@ -129,13 +129,13 @@ def test_fit_drop_last_skips_a_short_last_batch(steps_per_call):
     batches = [batch(4, offset) for offset in range(3)] + [batch(2, 9)]
     dropped = onnxtrain.Trainer(linreg_model())
     history = dropped.fit(batches, epochs=2, progress=False, steps_per_call=steps_per_call, drop_last=True)
-    assert len(history["loss"]) == 6
+    assert len(history["step_loss"]) == 6
     reference = onnxtrain.Trainer(linreg_model())
     reference.fit(batches[:3], epochs=2, progress=False, steps_per_call=steps_per_call)
     assert_state_equal(dropped, snapshot(reference))
     assert dropped.compilations == reference.compilations
     kept = onnxtrain.Trainer(linreg_model())
-    assert len(kept.fit(batches, epochs=2, progress=False, steps_per_call=steps_per_call)["loss"]) == 8
+    assert len(kept.fit(batches, epochs=2, progress=False, steps_per_call=steps_per_call)["step_loss"]) == 8
     assert kept.compilations > dropped.compilations
 
 
@@ -162,7 +162,7 @@ def test_fit_drop_last_keeps_batches_a_loader_refills():
 def test_fit_drop_last_keeps_batches_of_one_size(batches):
     # No batches at all is an InputError (tests/trainer/test_fit_data.py).
     trainer = onnxtrain.Trainer(linreg_model())
-    assert len(trainer.fit(batches, progress=False, drop_last=True)["loss"]) == len(batches)
+    assert len(trainer.fit(batches, progress=False, drop_last=True)["step_loss"]) == len(batches)
 
 
 @pytest.mark.slow

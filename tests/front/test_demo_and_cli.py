@@ -73,7 +73,7 @@ def test_quickstart_spirals_are_learnable_by_the_bundled_training_model():
     trainer.initialize()
     history = trainer.fit([{"X": x[i:i + 60], "labels": labels[i:i + 60]} for i in range(0, 600, 60)],
                           epochs=30, progress=False)
-    assert history["epoch_loss"][-1] < 0.2 * history["epoch_loss"][0]
+    assert history["loss"][-1] < 0.2 * history["loss"][0]
     logits = np.asarray(trainer.infer({"X": x})["logits"])
     assert np.mean(logits.argmax(axis=1) == labels) > 0.9
 

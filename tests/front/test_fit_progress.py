@@ -55,7 +55,7 @@ def test_hooks_run_in_order_with_every_steps_values(steps_per_call):
     recorder, trainer = Recorder(), object()
     fit(Counter(), [{}] * 3, epochs=2, verbose=0, callbacks=[recorder], steps_per_call=steps_per_call,
         trainer=trainer)
-    first, second = {"epoch_loss": 2.0}, {"epoch_loss": 5.0}
+    first, second = {"loss": 2.0}, {"loss": 5.0}
     assert recorder.events == [
         ("train_begin", trainer),
         ("epoch_begin", 0, 3), ("step", 0, 1.0), ("step", 1, 2.0), ("step", 2, 3.0), ("epoch_end", 0, first),
@@ -96,7 +96,7 @@ def test_a_step_hook_stops_training_after_the_chunk_already_dispatched(how):
     history = fit(Counter(), [{}] * 10, epochs=3, verbose=0, trainer=holder,
                   callbacks=[StopAtStep2(), lambda epoch, logs: ended.append(epoch)])
     assert history["loss"] == [1, 2, 3, 4]   # step 3 was running when step 2's values came back
-    assert history["epoch_loss"] == [2.5] and ended == [0]
+    assert history["loss"] == [2.5] and ended == [0]
 
 
 def test_a_flag_set_at_epoch_end_stops_and_fit_clears_the_trainers_flag():
@@ -109,9 +109,9 @@ def test_a_flag_set_at_epoch_end_stops_and_fit_clears_the_trainers_flag():
 
     holder = Holder()
     history = fit(Counter(), [{}] * 2, epochs=3, verbose=0, trainer=holder, callbacks=[StopAfterFirst()])
-    assert history["epoch_loss"] == [1.5]
+    assert history["loss"] == [1.5]
     history = fit(Counter(), [{}] * 2, epochs=3, verbose=0, trainer=holder)
-    assert len(history["epoch_loss"]) == 3 and holder.stop_training is False
+    assert len(history["loss"]) == 3 and holder.stop_training is False
 
 
 def test_plain_functions_still_work_and_every_callback_sees_the_last_epoch():
@@ -139,7 +139,7 @@ def test_verbose_1_keeps_one_finished_bar_per_epoch_with_the_epoch_logs(capsys):
     assert err == "" and len(lines) == 2
     for epoch, (line, mean) in enumerate(zip(lines, ["15.5", "45.5"])):
         assert line.startswith(f"epoch {epoch + 1}/2: 100%") and "30/30" in line
-        assert line.endswith(f"epoch_loss={mean}, val_loss=0.3333]")
+        assert line.endswith(f"loss={mean}, val_loss=0.3333]")
     assert not any(re.search(r"(?<!10)0%\|", line) for line in lines)   # no bar left at 0%
 
 
@@ -160,8 +160,8 @@ def test_verbose_2_prints_one_summary_line_per_epoch(capsys):
     assert err == ""
     lines = out.splitlines()
     assert len(lines) == 2 and "\r" not in out
-    assert re.fullmatch(r"epoch 1/2 - 4 steps - \d+\.\ds - epoch_loss: 2\.5 - val_loss: 0\.6667", lines[0])
-    assert re.fullmatch(r"epoch 2/2 - 4 steps - \d+\.\ds - epoch_loss: 6\.5 - val_loss: 0\.6667", lines[1])
+    assert re.fullmatch(r"epoch 1/2 - 4 steps - \d+\.\ds - loss: 2\.5 - val_loss: 0\.6667", lines[0])
+    assert re.fullmatch(r"epoch 2/2 - 4 steps - \d+\.\ds - loss: 6\.5 - val_loss: 0\.6667", lines[1])
 
 
 @pytest.mark.parametrize("arguments", [{"verbose": 0}, {"progress": False}])

@@ -365,9 +365,9 @@ def check_fit(trainer: Any, oracle: Oracle, batches: Sequence[Mapping[str, np.nd
     history = call(what, trainer.fit, list(batches), epochs=1, progress=False, steps_per_call=steps_per_call)
     per_step = [oracle.step(batch) for batch in batches]
     for name in oracle.returned:  # every returned output here is a scalar, so fit records it
-        assert name in history, f"{what}: history has {sorted(history)}, no {name!r}"
-        np.testing.assert_allclose(history[name], [float(s[name]) for s in per_step], rtol=RTOL, atol=ATOL,
-                                   err_msg=f"{what}: history[{name!r}]")
+        assert f"step_{name}" in history, f"{what}: history has {sorted(history)}, no step_{name!r}"
+        np.testing.assert_allclose(history[f"step_{name}"], [float(s[name]) for s in per_step], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: history['step_{name}']")
     check_state(trainer, oracle, f"state after {what}")
 
 

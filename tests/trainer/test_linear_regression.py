@@ -120,16 +120,16 @@ def test_steps_compile_once_per_input_signature():
 
 
 def test_fit_runs_every_batch_each_epoch_and_records_the_unbound_outputs():
-    """history["loss"] has one value per step; history["epoch_loss"] the mean of each epoch."""
+    """history["step_loss"] has one value per step; history["loss"] the mean of each epoch."""
     batches = [{name: value[:2] for name, value in LINREG_FEEDS.items()},
                {name: value[2:] for name, value in LINREG_FEEDS.items()}]
     trainer = onnxtrain.Trainer(linreg_model())
     history = trainer.fit(batches, epochs=2, progress=False)
     losses, states = linreg_oracle("adagrad", batches * 2)
-    assert set(history) == {"loss", "epoch_loss"}
-    assert all(isinstance(loss, float) for loss in history["loss"])
-    np.testing.assert_allclose(history["loss"], losses, rtol=1e-5)
-    np.testing.assert_allclose(history["epoch_loss"], np.mean(np.reshape(losses, (2, 2)), axis=1), rtol=1e-5)
+    assert set(history) == {"step_loss", "loss"}
+    assert all(isinstance(loss, float) for loss in history["step_loss"])
+    np.testing.assert_allclose(history["step_loss"], losses, rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], np.mean(np.reshape(losses, (2, 2)), axis=1), rtol=1e-5)
     assert_state_matches(trainer, states[-1])
 
 
