@@ -95,7 +95,7 @@ def test_a_step_hook_stops_training_after_the_chunk_already_dispatched(how):
     ended = []
     history = fit(Counter(), [{}] * 10, epochs=3, verbose=0, trainer=holder,
                   callbacks=[StopAtStep2(), lambda epoch, logs: ended.append(epoch)])
-    assert history["loss"] == [1, 2, 3, 4]   # step 3 was running when step 2's values came back
+    assert history["step_loss"] == [1, 2, 3, 4]   # step 3 was running when step 2's values came back
     assert history["loss"] == [2.5] and ended == [0]
 
 
@@ -118,7 +118,7 @@ def test_plain_functions_still_work_and_every_callback_sees_the_last_epoch():
     seen = []
     history = fit(Counter(), [{}] * 2, epochs=4, verbose=0,
                   callbacks=[lambda epoch, logs: epoch == 1, lambda epoch, logs: seen.append(epoch)])
-    assert seen == [0, 1] and len(history["loss"]) == 4
+    assert seen == [0, 1] and len(history["loss"]) == 2 and len(history["step_loss"]) == 4
 
 
 def test_a_callback_that_is_neither_a_callback_nor_a_function_is_refused():
@@ -132,7 +132,7 @@ def _final_lines(text: str) -> list[str]:
 
 
 def test_verbose_1_keeps_one_finished_bar_per_epoch_with_the_epoch_logs(capsys):
-    fit(Counter(), [{}] * 30, epochs=2, verbose=1, evaluate=lambda feeds: {"loss": 1 / 3},
+    fit(Counter(), [{}] * 30, epochs=2, verbose=1, evaluate=lambda feeds: ({"loss": 1 / 3}, feeds),
         eval_data=[{}])
     out, err = capsys.readouterr()
     lines = _final_lines(out)
@@ -155,7 +155,7 @@ def test_during_an_epoch_the_bar_shows_the_mean_of_the_last_20_steps(capsys):
 
 
 def test_verbose_2_prints_one_summary_line_per_epoch(capsys):
-    fit(Counter(), [{}] * 4, epochs=2, verbose=2, evaluate=lambda feeds: {"loss": 2 / 3}, eval_data=[{}])
+    fit(Counter(), [{}] * 4, epochs=2, verbose=2, evaluate=lambda feeds: ({"loss": 2 / 3}, feeds), eval_data=[{}])
     out, err = capsys.readouterr()
     assert err == ""
     lines = out.splitlines()

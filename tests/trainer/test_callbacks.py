@@ -346,15 +346,15 @@ def test_finetuner_learning_rate_callbacks_need_an_injected_learning_rate():
     expected = []
     for epoch in range(3):
         by_hand.set_state(name, 0.1 / (epoch + 1))
-        expected += by_hand.fit(batches, verbose=0)["loss"]
-    np.testing.assert_allclose(history["loss"], expected, rtol=1e-6)
+        expected += by_hand.fit(batches, verbose=0)["step_loss"]
+    np.testing.assert_allclose(history["step_loss"], expected, rtol=1e-6)
     assert float(scheduled.get_state(name)) == pytest.approx(0.1 / 3)
     assert scheduled.compilations == by_hand.compilations
     # Plain SGD by hand: the third epoch's steps use a third of the first's rate.
     reference = onnxtrain.finetune(_mlp(), "cross_entropy", optax.sgd(0.1))
-    losses = reference.fit(batches, epochs=3, verbose=0)["loss"]
-    assert losses[:2] == pytest.approx(history["loss"][:2], rel=1e-6)
-    assert not np.allclose(losses[2:], history["loss"][2:])
+    losses = reference.fit(batches, epochs=3, verbose=0)["step_loss"]
+    assert losses[:2] == pytest.approx(history["step_loss"][:2], rel=1e-6)
+    assert not np.allclose(losses[2:], history["step_loss"][2:])
 
 
 def test_callbacks_that_need_a_trainer_say_so_when_fit_has_none():
