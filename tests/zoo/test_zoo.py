@@ -29,11 +29,18 @@ FOLDED_BN = ("the exporter folded BatchNorm into the convolutions, so the conv w
 # tensor: it trains, as the conv weight it is, but copies neither torch parameter.
 WEIGHT_NORM = "the exporter folded weight_norm's g and v into one convolution weight"
 
+# Train-mode BatchNorm over few values per channel (batch 4 at 1x1 in the last stages) loses
+# float32 precision: on tv_mobilenet_v3 torch's own float32 gradients are 5.9e-5 from float64
+# torch and onnxtrain's 6.9e-5, beyond GRADIENT_TOLERANCE; the exports are not at fault.
+FEW_BN_VALUES = ("float32 rounding of train-mode BatchNorm over 4 values per channel: torch float32 "
+                 "itself misses float64 torch by as much")
+
 BATCHNORM = [family.name for family in export_zoo.FAMILIES.values() if family.batchnorm]
 
 # (family, exporter) -> {check: cause}; "*" is every check.
 KNOWN: dict[tuple[str, str], dict[str, str]] = {
     ("wav2vec2", "dynamo"): {"gradients": WEIGHT_NORM},
+    **{(name, export_zoo.KEEP_BATCHNORM): {"gradients": FEW_BN_VALUES} for name in ("tv_resnet", "tv_mobilenet_v3")},
     **{(name, exporter): {"gradients": FOLDED_BN}
        for name in BATCHNORM for exporter in ("dynamo", "torchscript")},
 }
