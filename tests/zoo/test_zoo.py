@@ -45,6 +45,8 @@ KNOWN: dict[tuple[str, str], dict[str, str]] = {
        for name in ("tv_resnet", "tv_mobilenet_v3", "tv_shufflenet_v2")},
     **{(name, exporter): {"gradients": FOLDED_BN}
        for name in BATCHNORM for exporter in ("dynamo", "torchscript")},
+    # Without batch statistics the folded ResNet's loss rises under Adam (3.6 -> 10.4).
+    **{("tv_resnet", exporter): {"gradients": FOLDED_BN, "trains": FOLDED_BN} for exporter in ("dynamo", "torchscript")},
 }
 
 # What each exporter imports; each family adds its own (Family.requires: transformers,
