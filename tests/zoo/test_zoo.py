@@ -46,7 +46,8 @@ KNOWN: dict[tuple[str, str], dict[str, str]] = {
     **{(name, exporter): {"gradients": FOLDED_BN}
        for name in BATCHNORM for exporter in ("dynamo", "torchscript")},
     # Without batch statistics the folded ResNet's loss rises under Adam (3.6 -> 10.4).
-    **{("tv_resnet", exporter): {"gradients": FOLDED_BN, "trains": FOLDED_BN} for exporter in ("dynamo", "torchscript")},
+    **{("tv_resnet", exporter): {"gradients": FOLDED_BN, "trains": FOLDED_BN}
+       for exporter in ("dynamo", "torchscript")},
 }
 
 # What each exporter imports; each family adds its own (Family.requires: transformers,
