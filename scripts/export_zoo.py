@@ -3,9 +3,11 @@
 The zoo test (tests/zoo) trains what exporters actually write, so it needs real exporter
 output for many families: transformers BERT, DistilBERT, RoBERTa, GPT-2, T5, ViT and
 Wav2Vec2 built from tiny configs (no hub), torch.nn LSTM, GRU, a 1-D conv net, an
-autoencoder, a ResNet-style and a MobileNet-style CNN, and scikit-learn pipelines. Every
-torch family is exported with both torch exporters: "dynamo" (torch.onnx.export's default)
-and "torchscript" (dynamo=False), the CNNs with BatchNorm also as "dynamo_unoptimized"
+autoencoder, a ResNet-style and a MobileNet-style CNN, the torchvision families (ResNet,
+MobileNetV3, EfficientNet, SqueezeNet, ShuffleNetV2, RegNetY, ConvNeXt: torchvision's own
+module code in tiny configurations) and timm's ViT, and scikit-learn pipelines. Every torch
+family is exported with both torch exporters: "dynamo" (torch.onnx.export's default) and
+"torchscript" (dynamo=False), the CNNs with BatchNorm also as "dynamo_unoptimized"
 (optimize=False, which keeps BatchNorm); scikit-learn pipelines with skl2onnx.
 
 Weights are random (fixed seeds) and every floating tensor is perturbed after construction,
@@ -49,6 +51,7 @@ class Family:
     loss: "mse" (against a random target) or "cross_entropy" (logits [N, C] vs class indices).
     batchnorm: the model has BatchNorm, so training compares with torch's train mode.
     exporters: which exporters produce it.
+    requires: the modules `build` imports beyond torch (the test skips the family without them).
     """
 
     name: str
@@ -60,6 +63,7 @@ class Family:
     exporters: tuple[str, ...] = TORCH_EXPORTERS
     output: str = "output"
     notes: str = ""
+    requires: tuple[str, ...] = ()
 
 
 # --- torch models -----------------------------------------------------------------------
@@ -88,18 +92,24 @@ def _distinct(tensors) -> None:
     numbers a few repeat, and the zoo traces initializers back to parameters by value."""
     import torch
 
-    while True:
-        values = torch.cat([t.detach().reshape(-1) for t in tensors]).numpy()
-        _, first, counts = np.unique(values, return_index=True, return_counts=True)
-        if counts.max(initial=1) == 1:
-            return
-        repeated = np.setdiff1d(np.arange(values.size), first)  # every occurrence after the first
-        values = values.copy()
-        values[repeated] = np.nextafter(values[repeated], np.float32(np.inf))
-        start = 0
-        for tensor in tensors:
-            tensor.copy_(torch.from_numpy(values[start:start + tensor.numel()]).reshape(tensor.shape))
-            start += tensor.numel()
+    values = torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().astype(np.float32)
+    # float32 bits as integers that order like the floats (-0.0 and 0.0 both 0), so "the next
+    # float up" is +1 and one pass can make the sorted sequence strictly increasing: a model
+    # with millions of weights holds hundreds of thousands of repeats, and nudging them one
+    # float at a time would collide with the neighbours again and again.
+    bits = values.view(np.int32).astype(np.int64)
+    keys = np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    order = np.argsort(keys, kind="stable")
+    steps = np.arange(keys.size)
+    raised = np.maximum.accumulate(keys[order] - steps) + steps
+    keys = np.empty_like(keys)
+    keys[order] = raised
+    bits = np.where(keys < 0, (-keys) | 0x80000000, keys)
+    values = bits.astype(np.uint32).view(np.float32)
+    start = 0
+    for tensor in tensors:
+        tensor.copy_(torch.from_numpy(values[start:start + tensor.numel()].copy()).reshape(tensor.shape))
+        start += tensor.numel()
 
 
 def _single(model, key: str, names: tuple[str, ...]):
@@ -253,6 +263,73 @@ def _mobilenet():
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
 
 
+# --- torchvision and timm: their own module code, tiny configurations ---------------------
+# Dropout and stochastic depth keep the probabilities the full-size models have: exports are
+# made in eval mode, and the zoo's torch oracle puts only BatchNorm in train mode.
+
+
+def _tv_resnet():
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    # ResNet-18's blocks and widths with one block per stage instead of two: the full model's
+    # eleven million weights made its row the slowest of the zoo by far.
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5)
+
+
+def _tv_mobilenet_v3():
+    from torchvision.models import mobilenet_v3_small
+
+    return mobilenet_v3_small(width_mult=0.25, num_classes=5)
+
+
+def _tv_efficientnet():
+    from functools import partial
+
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    # EfficientNet-B0's first three stages (expand ratio, kernel, stride, in, out, layers).
+    stage = partial(MBConvConfig, width_mult=0.25, depth_mult=1.0)
+    setting = [stage(1, 3, 1, 32, 16, 1), stage(6, 3, 2, 16, 24, 2), stage(6, 5, 2, 24, 40, 2)]
+    return EfficientNet(setting, dropout=0.2, stochastic_depth_prob=0.2, num_classes=5)
+
+
+def _tv_squeezenet():
+    from torchvision.models import squeezenet1_1
+
+    return squeezenet1_1(num_classes=5)
+
+
+def _tv_shufflenet_v2():
+    from torchvision.models.shufflenetv2 import ShuffleNetV2
+
+    # Two units in the first stage, so a stride-1 unit (channel split, then shuffle) is there too.
+    return ShuffleNetV2(stages_repeats=[2, 1, 1], stages_out_channels=[8, 16, 32, 64, 128], num_classes=5)
+
+
+def _tv_regnet_y():
+    from torchvision.models.regnet import BlockParams, RegNet
+
+    # RegNetY's design space (grouped bottlenecks with squeeze-excitation) in three stages of
+    # widths 8, 16, 32 and depths 1, 1, 2.
+    params = BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25)
+    return RegNet(params, num_classes=5, stem_width=16)
+
+
+def _tv_convnext():
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    # ConvNeXt-T's stochastic depth and layer scale, three narrow stages of one block each.
+    setting = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)]
+    return ConvNeXt(setting, stochastic_depth_prob=0.1, layer_scale=1e-6, num_classes=5)
+
+
+def _timm_vit():
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                             num_classes=5)
+
+
 def _normal(name: str, *shape: int) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
     return lambda rng: {name: rng.normal(size=shape).astype(np.float32)}
 
@@ -301,13 +378,15 @@ def _sklearn_inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [
-    Family("bert", _bert, _tokens),
-    Family("distilbert", _distilbert, _tokens),
-    Family("roberta", _roberta, _tokens),
-    Family("gpt2", _gpt2, _tokens),
-    Family("t5", _t5, _t5_inputs, notes="encoder-decoder; the loss reads the LM logits"),
-    Family("vit", _vit, _normal("pixel_values", BATCH, 3, 16, 16), loss="cross_entropy", classes=5),
-    Family("wav2vec2", _wav2vec2, _normal("input_values", BATCH, 400)),
+    Family("bert", _bert, _tokens, requires=("transformers",)),
+    Family("distilbert", _distilbert, _tokens, requires=("transformers",)),
+    Family("roberta", _roberta, _tokens, requires=("transformers",)),
+    Family("gpt2", _gpt2, _tokens, requires=("transformers",)),
+    Family("t5", _t5, _t5_inputs, notes="encoder-decoder; the loss reads the LM logits",
+           requires=("transformers",)),
+    Family("vit", _vit, _normal("pixel_values", BATCH, 3, 16, 16), loss="cross_entropy", classes=5,
+           requires=("transformers",)),
+    Family("wav2vec2", _wav2vec2, _normal("input_values", BATCH, 400), requires=("transformers",)),
     Family("lstm", lambda: _recurrent("LSTM"), _normal("x", BATCH, 5, 8)),
     Family("gru", lambda: _recurrent("GRU"), _normal("x", BATCH, 5, 8)),
     Family("conv1d", _conv1d, _normal("x", BATCH, 4, 16), loss="cross_entropy", classes=3),
@@ -316,6 +395,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            exporters=(*TORCH_EXPORTERS, KEEP_BATCHNORM)),
     Family("mobilenet", _mobilenet, _normal("x", BATCH, 3, 12, 12), loss="cross_entropy", classes=5,
            batchnorm=True, exporters=(*TORCH_EXPORTERS, KEEP_BATCHNORM)),
+    *[Family(name, build, _normal("x", BATCH, 3, 32, 32), loss="cross_entropy", classes=5, batchnorm=True,
+             exporters=(*TORCH_EXPORTERS, KEEP_BATCHNORM), requires=("torchvision",))
+      for name, build in [("tv_resnet", _tv_resnet), ("tv_mobilenet_v3", _tv_mobilenet_v3),
+                          ("tv_efficientnet", _tv_efficientnet), ("tv_shufflenet_v2", _tv_shufflenet_v2),
+                          ("tv_regnet_y", _tv_regnet_y)]],
+    Family("tv_squeezenet", _tv_squeezenet, _normal("x", BATCH, 3, 32, 32), loss="cross_entropy", classes=5,
+           requires=("torchvision",)),
+    Family("tv_convnext", _tv_convnext, _normal("x", BATCH, 3, 32, 32), loss="cross_entropy", classes=5,
+           requires=("torchvision",)),
+    Family("timm_vit", _timm_vit, _normal("x", BATCH, 3, 32, 32), loss="cross_entropy", classes=5,
+           requires=("timm",)),
     Family("sk_logistic_ml", _sklearn("logistic", False), _sklearn_inputs, exporters=("skl2onnx",),
            output="probabilities", notes="ai.onnx.ml ops: coefficients are attributes, nothing to train"),
     Family("sk_logistic", _sklearn("logistic", True), _sklearn_inputs, exporters=("skl2onnx",),

@@ -12,6 +12,7 @@ scikit-learn cases stay in the quick run.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -28,14 +29,30 @@ FOLDED_BN = ("the exporter folded BatchNorm into the convolutions, so the conv w
 # tensor: it trains, as the conv weight it is, but copies neither torch parameter.
 WEIGHT_NORM = "the exporter folded weight_norm's g and v into one convolution weight"
 
+# Train-mode BatchNorm over few values per channel (batch 4 at 1x1 in the last stages) loses
+# float32 precision: on tv_mobilenet_v3 torch's own float32 gradients are 5.9e-5 from float64
+# torch and onnxtrain's 6.9e-5, beyond GRADIENT_TOLERANCE; the exports are not at fault.
+# tv_resnet (3.5e-5) and tv_shufflenet_v2 (2.9e-5) end at 1x1 the same way.
+FEW_BN_VALUES = ("float32 rounding of train-mode BatchNorm over 4 values per channel: torch float32 "
+                 "itself misses float64 torch by as much")
+
+BATCHNORM = [family.name for family in export_zoo.FAMILIES.values() if family.batchnorm]
+
 # (family, exporter) -> {check: cause}; "*" is every check.
 KNOWN: dict[tuple[str, str], dict[str, str]] = {
     ("wav2vec2", "dynamo"): {"gradients": WEIGHT_NORM},
+    **{(name, export_zoo.KEEP_BATCHNORM): {"gradients": FEW_BN_VALUES}
+       for name in ("tv_resnet", "tv_mobilenet_v3", "tv_shufflenet_v2")},
     **{(name, exporter): {"gradients": FOLDED_BN}
-       for name in ("resnet", "mobilenet") for exporter in ("dynamo", "torchscript")},
+       for name in BATCHNORM for exporter in ("dynamo", "torchscript")},
+    # Without batch statistics the folded ResNet's loss rises under Adam (3.6 -> 10.4).
+    **{("tv_resnet", exporter): {"gradients": FOLDED_BN, "trains": FOLDED_BN}
+       for exporter in ("dynamo", "torchscript")},
 }
 
-REQUIRES = {"dynamo": ("torch", "transformers", "onnxscript"), "torchscript": ("torch", "transformers"),
+# What each exporter imports; each family adds its own (Family.requires: transformers,
+# torchvision, timm).
+REQUIRES = {"dynamo": ("torch", "onnxscript"), "torchscript": ("torch",),
             export_zoo.KEEP_BATCHNORM: ("torch", "onnxscript"),
             "skl2onnx": ("sklearn", "skl2onnx")}
 
@@ -53,8 +70,16 @@ def _cases(check: str) -> list:
 
 
 def _require(name: str, exporter: str) -> None:
-    for module in REQUIRES[exporter]:
-        pytest.importorskip(module)
+    """Skip unless every module the exporter and the family need imports. An installed module
+    that fails to import is skipped too: PyPI's torchvision wheel is a CUDA build, and beside
+    the CPU torch of the test extra its import raises RuntimeError, not ImportError."""
+    for module in (*REQUIRES[exporter], *export_zoo.FAMILIES[name].requires):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pytest.skip(f"{module} is not installed")
+        except Exception as error:  # noqa: BLE001 - any failure of an optional import skips
+            pytest.skip(f"{module} is installed but does not import: {type(error).__name__}: {error}")
 
 
 def _trainable(name: str) -> None:
@@ -112,7 +137,7 @@ def test_every_known_failure_names_a_zoo_case_and_check():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet", "mobilenet"])
+@pytest.mark.parametrize("name", BATCHNORM)
 def test_folded_batchnorm_is_found_only_where_the_export_folded_it(zoo, name):
     """The FOLDED_BN cases above are damage onnxtrain cannot undo, so it must say so: the
     folded exports warn about it, the one that kept BatchNorm does not."""

@@ -263,8 +263,9 @@ def trace(initial: dict[str, np.ndarray], gradients: dict[str, np.ndarray],
 def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
                  initial: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
     """(parameters, gradients) of the family's loss in torch, by parameter name. BatchNorm
-    families run in train mode (batch statistics), as the training model does. scikit-learn
-    families are rebuilt in torch from their initializers (`initial`)."""
+    runs in train mode (batch statistics), as the training model does; every other module stays
+    in eval mode, as exported (Dropout and stochastic depth are then the identity, as in the
+    export). scikit-learn families are rebuilt in torch from their initializers (`initial`)."""
     import torch
     import torch.nn.functional as F
 
@@ -273,7 +274,9 @@ def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
         inputs = [torch.from_numpy(feeds["X"])]
     else:
         model = export_zoo.torch_model(family)
-        model.train(family.batchnorm)
+        norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+        for module in model.modules():
+            module.train(family.batchnorm and isinstance(module, norms))
         batch = export_zoo.batch(family)
         inputs = [torch.from_numpy(v) for v in batch.values()]
     prediction = model(*inputs)
