@@ -86,7 +86,9 @@ def _ignore_index(item: NodeProto) -> int | None:
 def label_rules(graph: GraphProto, fed: Iterable[str]) -> list[LabelRule]:
     """A rule for each input in `fed` that a class-index loss node of `graph` reads as its labels."""
     fed = set(fed)
-    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+    # Untyped entries (a step listing an output by name only) must not hide a declared type.
+    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]
+             if v.type.HasField("tensor_type")}
     rules = []
     for item in graph.node:
         if (item.op_type in _LOSSES and normalize_domain(item.domain) == "" and len(item.input) >= 2

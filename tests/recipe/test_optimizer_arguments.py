@@ -118,4 +118,5 @@ def test_plain_optimizer_writes_no_extra_nodes():
     and the counter increment, as before these features."""
     model = onnxtrain.make_training_model(_linear(), "mse", optimizer=optim.Adam(lr=0.1))
     ops = [n.op_type for n in model.training_info[0].algorithm.node]
-    assert ops[ops.index("Gradient") + 1:] == ["Adam", "Add"]
+    # Adam, the counter's Add, and the Identity returning the step's prediction (for metrics).
+    assert ops[ops.index("Gradient") + 1:] == ["Adam", "Add", "Identity"]
