@@ -128,9 +128,17 @@ class FineTuner(Core):
                external_data: bool | str | None = None) -> None:
         """Write the inference model with the trained weights (and BatchNorm statistics).
 
+        Args:
+            path: the file to write (atomically).
+            training: must stay False: an optax optimizer has no ONNX form.
+            external_data: True (or a file name) moves large tensors to a side file; None
+                does so only past protobuf's 2 GiB limit.
+
         Raises:
-            ExportError: training=True (an optax optimizer has no ONNX form), or the file
-                cannot be written.
+            ExportError: training=True, or the file cannot be written.
+
+        Example:
+            >>> tuner.export("model.finetuned.onnx")
         """
         if training:
             raise ExportError("an optax optimizer has no ONNX form, so finetune() exports inference "

@@ -16,10 +16,24 @@ from onnxtrain.translate.model import TranslatedModel
 
 
 def translate_model(model: ModelSource, params: Iterable[str] | None = None) -> tuple[TranslatedModel, dict]:
-    """(fn, params): fn(params, inputs, key=None) -> dict of outputs, jit- and grad-able.
+    """The model as a JAX function of its weights, for gradients through ONNX models in JAX.
 
-    `params` are the model's float initializers (or those named), as JAX
-    arrays. fn compiles once per input signature; random ops draw from `key`.
+    Args:
+        model: a path, bytes, file object or ModelProto.
+        params: the initializers to pass as arguments (default: the float ones that are not
+            shapes or axes); the others stay constants of the function.
+
+    Returns:
+        (fn, params): fn(params, inputs, key=None) -> {output name: value}, jit- and
+        grad-able, compiled once per input signature (random ops draw from `key`); params,
+        the chosen initializers as JAX arrays.
+
+    Raises:
+        ModelLoadError, UnsupportedOpError: the model cannot be read or has ops onnxtrain lacks.
+
+    Example:
+        >>> fn, params = onnxtrain.translate_model("model.onnx")
+        >>> grads = jax.grad(lambda p: fn(p, {"x": x})["y"].sum())(params)
     """
     enable_compilation_cache()
     translated = TranslatedModel(load_model(model), params)
@@ -33,8 +47,20 @@ def run(model: ModelSource, inputs: Mapping[str, Any], key: jax.Array | None = N
     input may also replace an initializer the graph lists among its inputs. Random ops draw
     from `key`, or from a fresh random key when none is given.
 
+    Args:
+        model: a path, bytes, file object or ModelProto.
+        inputs: input name -> array (numpy, JAX, torch, or Python values).
+        key: a JAX PRNG key for random ops.
+
+    Returns:
+        {output name: value} for every graph output.
+
     Raises:
+        ModelLoadError, UnsupportedOpError: the model cannot be read or has ops onnxtrain lacks.
         InputError: an input is missing, unknown, or of the wrong type or shape.
+
+    Example:
+        >>> outputs = onnxtrain.run("model.onnx", {"x": np.ones((1, 4), np.float32)})
     """
     enable_compilation_cache()
     proto = load_model(model)

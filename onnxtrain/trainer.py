@@ -119,7 +119,19 @@ class Trainer(Core):
         return self._store.view(self.hyperparameter_names)
 
     def initialize(self) -> None:
-        """Run every initialization graph in model order, applying its bindings after each."""
+        """Run every initialization graph in model order, applying its bindings after each.
+
+        A model as exported holds its starting values already; initialize() resets what its
+        initialization graphs produce (for make_training_model's recipe: the optimizer slots,
+        the step counter and the learning rate, and any weights it redraws).
+
+        Raises:
+            NumericError, InputError: an initialization graph fails on the current state.
+
+        Example:
+            >>> trainer = onnxtrain.Trainer("model.training.onnx")
+            >>> trainer.initialize()
+        """
         with self._store.transaction():
             values, key = dict(self._store.values), self._store.key
             updates: dict[str, Any] = {}
@@ -143,8 +155,14 @@ class Trainer(Core):
             external_data: True (or a file name) moves large tensors to a side file; None
                 does so only past protobuf's 2 GiB limit.
 
+        Returns:
+            None; the file at `path` is complete once this returns.
+
         Raises:
             ExportError: the file cannot be written.
+
+        Example:
+            >>> trainer.export("model.trained.onnx", training=False)   # for ONNX Runtime
         """
         self._write(path, training, external_data)
 

@@ -56,3 +56,15 @@ def test_finetune_exported_model(tmp_path):
     assert _figure(text, r"max difference from onnxtrain: ([\deE.+-]+)") < 1e-4
     first, last = (float(v) for v in re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", text).groups())
     assert last < 0.5 * first
+
+
+def test_your_own_model(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("onnxruntime")
+    text = _run("03_your_own_model.ipynb", tmp_path)
+    best_accuracy = _figure(text, r"best epoch \d+: val_loss [\d.]+, val_accuracy ([\d.]+)")
+    assert best_accuracy > 0.9
+    # EarlyStopping restored the best epoch, and the held-out rows are one batch: ONNX Runtime
+    # scores the export exactly as fit's evaluation did.
+    assert _figure(text, r"onnxruntime accuracy ([\d.]+)") == best_accuracy

@@ -175,16 +175,25 @@ def load_model(
 ) -> ModelProto:
     """Load an ONNX model as an onnxtrain.proto.ModelProto.
 
-    `base_dir` is the folder holding external data files; it defaults to the
-    model file's folder and must be given for bytes or in-memory messages
-    whose tensors live in side files. With load_external_data=False those
-    tensors keep their references (and their sizes are not checked).
+    Args:
+        source: a path, bytes, a binary file object, an onnx.ModelProto or ours.
+        base_dir: the folder holding external data files; it defaults to the model file's
+            folder and must be given for bytes or in-memory messages whose tensors live in
+            side files.
+        load_external_data: False keeps side-file tensors as references (their sizes are
+            not checked).
+
+    Returns:
+        The model (a copy when `source` is a message).
 
     Raises:
         ModelLoadError: the file is missing or not a regular file, the bytes are
             not an ONNX model (or nest deeper than protobuf can parse), or an
             external-data location leaves the model's folder, does not lead to a
             regular file, or disagrees with its tensor's size.
+
+    Example:
+        >>> model = onnxtrain.load_model("model.onnx")
     """
     if isinstance(source, ModelProto):
         # Copied, not serialized: an in-memory model may be past protobuf's 2 GiB limit.
@@ -338,12 +347,22 @@ def save_model(
 ) -> None:
     """Write `model` to `path` atomically.
 
-    external_data: None keeps every tensor inline unless the model would pass
-    protobuf's 2 GiB limit, in which case it behaves like True; True writes
-    every tensor of at least `size_threshold` bytes (in any graph, training
-    graphs included) to `<file name>.data` beside the model; a string names
-    that side file instead; False never writes one. The model object is left
-    as it was.
+    Args:
+        model: our ModelProto or an onnx.ModelProto (left as it was).
+        path: the file to write; its folder must exist.
+        external_data: None keeps every tensor inline unless the model would pass
+            protobuf's 2 GiB limit, in which case it behaves like True; True writes every
+            tensor of at least `size_threshold` bytes (in any graph, training graphs
+            included) to `<file name>.data` beside the model; a string names that side file
+            instead; False never writes one.
+        size_threshold: the smallest tensor, in bytes, moved to the side file.
+
+    Raises:
+        ExportError: the folder does not exist, the file cannot be written, or the model
+            passes 2 GiB with external_data=False.
+
+    Example:
+        >>> onnxtrain.save_model(training_model, "model.training.onnx")
     """
     model = _as_model(model)
     path = Path(path)
