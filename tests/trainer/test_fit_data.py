@@ -71,8 +71,8 @@ def reference_run(model, expected_batches, epochs):
 def assert_same_training(model, data, expected_batches, epochs=2, **options):
     state, expected = reference_run(model, expected_batches, epochs)
     trainer, history = trained(model, data, epochs=epochs, **options)
-    assert len(history["loss"]) == len(expected["loss"])
-    np.testing.assert_array_equal(history["loss"], expected["loss"])
+    assert len(history["step_loss"]) == len(expected["step_loss"])
+    np.testing.assert_array_equal(history["step_loss"], expected["step_loss"])
     assert_state_equal(trainer, state)
     return history
 
@@ -124,7 +124,7 @@ def test_whole_arrays_are_cut_into_batches_of_batch_size(training_model, form):
 def test_whole_arrays_default_to_batches_of_32_rows(training_model):
     x, labels = np.concatenate([X, X, X, X]), np.concatenate([LABELS] * 4)    # 64 rows: 32 + 32
     history = assert_same_training(training_model, (x, labels), dict_batches(x, labels, size=32), epochs=1)
-    assert len(history["loss"]) == 2
+    assert len(history["step_loss"]) == 2
 
 
 @pytest.mark.slow
@@ -168,7 +168,7 @@ def test_a_finetuner_takes_the_same_forms():
     reference, expected = tuned(dict_batches(size=8))
     for data, options in (((X, LABELS), {"batch_size": 8}), ([(b["x"], b["labels"]) for b in dict_batches()], {})):
         tuner, history = tuned(data, **options)
-        np.testing.assert_array_equal(history["loss"], expected["loss"])
+        np.testing.assert_array_equal(history["step_loss"], expected["step_loss"])
         assert_state_equal(tuner, snapshot(reference))
 
 
@@ -193,10 +193,10 @@ def test_fit_shuffles_rows_in_the_seeded_order_of_each_epoch(training_model):
     expected = [batch for epoch in range(2) for batch in dict_batches(size=8, order=orders.order(epoch))]
     reference, oracle = trained(training_model, expected)
     trainer, history = trained(training_model, (X, LABELS), epochs=2, batch_size=8, shuffle=True, seed=3)
-    np.testing.assert_array_equal(history["loss"], oracle["loss"])
+    np.testing.assert_array_equal(history["step_loss"], oracle["step_loss"])
     assert_state_equal(trainer, snapshot(reference))
     unshuffled = trained(training_model, (X, LABELS), epochs=2, batch_size=8)[1]
-    assert not np.array_equal(history["loss"], unshuffled["loss"])
+    assert not np.array_equal(history["step_loss"], unshuffled["step_loss"])
 
 
 @pytest.mark.slow
@@ -204,7 +204,7 @@ def test_without_a_seed_the_shuffle_follows_the_trainers_seed(training_model):
     def losses(seed):
         trainer = onnxtrain.Trainer(training_model, seed=seed)
         trainer.initialize()
-        return trainer.fit((X, LABELS), epochs=2, batch_size=8, shuffle=True, progress=False)["loss"]
+        return trainer.fit((X, LABELS), epochs=2, batch_size=8, shuffle=True, progress=False)["step_loss"]
 
     assert losses(5) == losses(5)
     assert losses(5) != losses(6)
@@ -217,7 +217,7 @@ def test_validation_split_holds_out_the_tail_before_shuffling(training_model):
     expected_val = float(reference.evaluate({"x": X[cut:], "labels": LABELS[cut:]})["loss"])
     trainer, history = trained(training_model, {"x": X, "labels": LABELS}, epochs=1, batch_size=4,
                                validation_split=0.5)
-    assert len(history["loss"]) == 2           # 8 training rows: 4 + 4
+    assert len(history["step_loss"]) == 2           # 8 training rows: 4 + 4
     assert_state_equal(trainer, snapshot(reference))
     assert history["val_loss"] == [pytest.approx(expected_val, rel=1e-6)]
     # Shuffling reorders the training rows only: the same 15 rows, the same held-out tail.
@@ -245,7 +245,7 @@ def test_a_short_last_batch_compiles_one_program_more_and_drop_last_none(trainin
         trainer.initialize()
         compiled = trainer.compilations
         history = trainer.fit((X, LABELS), epochs=3, batch_size=6, drop_last=drop_last, progress=False)
-        assert len(history["loss"]) == steps
+        assert len(history["step_loss"]) == steps
         assert trainer.compilations - compiled == programs
 
 
