@@ -25,7 +25,7 @@ import numpy as np
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.evaluation import LossSpec, record as record_evaluation
-from onnxtrain._recipe.objective import FLOATS, Names, Objective, Trainable, objective, trainable_names
+from onnxtrain._recipe.objective import Names, Objective, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
 from onnxtrain._recipe.update import update_nodes
 from onnxtrain import optim
