@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
-pytestmark = pytest.mark.slow
+# The exports' damage (tied or merged weights, a fixed batch) concerns weights LoRA keeps frozen.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::onnxtrain.ExportDamageWarning")]
 
 VOCAB, HIDDEN, BATCH, LENGTH = 100, 32, 2, 8
 RANK, ALPHA = 4, 8.0
@@ -116,7 +117,7 @@ def test_first_step_gradients_match_torch_lora(exported):
     finally:
         for handle in handles:
             handle.remove()
-    assert abs(float(out["loss"]) - float(loss)) <= 1e-5 * abs(float(loss))
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-5 * loss.item()
     largest = max(float(t.grad.abs().max()) for t in tensors.values())
     worst = max(float(np.max(np.abs(np.asarray(out[f"{name}.grad"]) - t.grad.numpy()))) for name, t in tensors.items())
     print(f"\n{family}: {len(tensors)} factors, worst gradient error {worst / largest:.2e} of the largest")
@@ -128,10 +129,8 @@ def test_loss_falls_and_exports_match_onnxruntime(exported, tmp_path):
     training = onnxtrain.make_training_model(str(path), loss="cross_entropy", optimizer=optim.Adam(lr=1e-2),
                                              adapters=onnxtrain.LoRA(RANK, ALPHA))
     trainer = onnxtrain.Trainer(training)
-    # Next token on a fixed batch.
-    inputs, labels = ids[:, :-1], ids[:, 1:]
-    feeds = {"input_ids": ids, "labels": np.concatenate([labels, labels[:, :1]], axis=1)}
-    del inputs
+    # Next token on a fixed batch (the last position predicts the first token).
+    feeds = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
     losses = [float(trainer.step(feeds)["loss"]) for _ in range(30)]
     print(f"\n{family}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
     assert losses[-1] < 0.9 * losses[0]
