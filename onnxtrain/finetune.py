@@ -74,9 +74,9 @@ class FineTuner(Core):
         check_policy(nan_policy)
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
-        model = load_model(model)
+        source, model = model, load_model(model)
         prepare(model, repair, "finetune")
-        names = trainable_names(model, trainable) if adapters is None else adapt(model, adapters, trainable, output)
+        names = trainable_names(model, trainable) if adapters is None else adapt(model, adapters, trainable, output, source)
         if not names:
             raise BindingError("no trainable weights: the model has no float initializers to train "
                                "(or `trainable` selected none)")

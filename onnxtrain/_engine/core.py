@@ -328,7 +328,7 @@ class Core:
     def _write(self, path: str | os.PathLike, training: bool, external_data: bool | str | None,
                merge: bool | None = None) -> None:
         # Adapters (LoRA) fold into their weights, or keep their branch and write an adapter file.
-        transform = export_transform(self._model, training, merge, os.fspath(path))
+        transform = export_transform(self._model, training, merge, os.fspath(path), set(self._home))
         with self._store.transaction():
             values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
             key = self._store.key

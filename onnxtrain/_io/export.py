@@ -104,4 +104,5 @@ def write_model(model: ModelProto, values: Mapping[str, np.ndarray], home: Home,
         out.metadata_props.append(StringStringEntryProto(key=KEY_METADATA, value=_key_metadata(key)))
     if transform is not None:
         out = transform(out)
-    save_model(out, path, external_data=external_data)
+    # Only a transform (an adapter export sharing its base's side file) leaves references.
+    save_model(out, path, external_data=external_data, keep_references=transform is not None)

@@ -149,13 +149,13 @@ def make_training_model(
         >>> trainer = onnxtrain.Trainer(training)
     """
     optimizer = optim.get(optimizer)
-    model = load_model(model)
+    source, model = model, load_model(model)
     if model.training_info:
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
     prepare(model, repair, "make_training_model", lift_folded_weights)
     weights = (trainable_names(model, trainable) if adapters is None
-               else adapt(model, adapters, trainable, output))
+               else adapt(model, adapters, trainable, output, source))
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
                            "(or `trainable` selected none)")

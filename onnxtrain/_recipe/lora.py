@@ -21,7 +21,8 @@ import difflib
 import fnmatch
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -404,9 +405,12 @@ def read_record(model: ModelProto) -> dict | None:
     return None
 
 
-def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str | None) -> list[str]:
+def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str | None,
+          source: object = None) -> list[str]:
     """Insert `lora`'s adapters into `model` (in place) and return what trains: every A and B,
-    then the base weights `trainable` names (trained fully; None adds none).
+    then the base weights `trainable` names (trained fully; None adds none). source: where
+    `model` was loaded from; a path is recorded, so that a merge=False export beside it can
+    share its external data file.
 
     Raises:
         BindingError: see select; `trainable` names an adapted weight.
@@ -423,6 +427,9 @@ def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str |
         raise BindingError(f"trainable= names {overlap}, which LoRA adapts; a weight is either adapted or "
                            "trained fully: leave it out of trainable= or of LoRA targets")
     record = insert(model, lora, chosen)
+    if isinstance(source, (str, os.PathLike)):
+        record["base"] = os.path.abspath(source)
+        _set_record(model, record)
     factors = [name for entry in record["weights"].values() for name in (entry["A"], entry["B"])]
     return [*factors, *extra]
 
@@ -530,13 +537,18 @@ def adapter_path(path: str) -> str:
     return stem + ADAPTER_SUFFIX
 
 
-def adapter_model(model: ModelProto) -> ModelProto:
+def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProto:
     """An ONNX model holding only the A and B initializers of `model` (each also a graph
-    output, so the file is a valid model ONNX Runtime can load) and the adapter record."""
-    record = read_record(model)
-    if record is None:
+    output, so the file is a valid model ONNX Runtime can load) and the adapter record, plus
+    the base weights in `trained` (trained fully, as PEFT's modules_to_save), listed in the
+    record under "trained"."""
+    record = dict(read_record(model) or {})
+    if not record:
         raise BindingError("the model carries no adapters")
     names = [name for entry in record["weights"].values() for name in (entry["A"], entry["B"])]
+    record.pop("base", None)   # a local path, meaningless elsewhere
+    record["trained"] = [name for name in trained if name not in names]
+    names += record["trained"]
     values = {t.name: t for t in model.graph.initializer}
     graph = GraphProto(name="lora_adapters")
     for name in names:
@@ -578,6 +590,13 @@ def apply_adapter_file(base: object, adapter_file: object, merge: bool = True) -
     # Graph order, as at training time, so the branch gets the same names.
     order = list(found)
     chosen.sort(key=lambda c: order.index(c.name))
+    for name in record.get("trained", []):
+        if name not in {t.name for t in model.graph.initializer}:
+            raise BindingError(f"the adapter file holds trained weight {name!r}, which the base model lacks "
+                               "(another base model?)")
+        from onnxtrain._io.export import replace_initializer
+
+        replace_initializer(model.graph, name, values[name])
     inserted = insert(model, lora, chosen, factors)
     if any(inserted["weights"][w]["A"] != record["weights"][w]["A"] for w in inserted["weights"]):
         raise BindingError("the adapter's tensor names do not fit the base model (another base model?)")
@@ -597,10 +616,36 @@ def describe_adapters(model: ModelProto) -> list[str]:
     return lines
 
 
-def export_transform(model: ModelProto, training: bool, merge: bool | None, path: str):
+def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Collection[str]) -> None:
+    """Point the base weights of `out` at the base model's external data file instead of
+    copying them, when the base came from a file with external data in the folder `path` is
+    written to (a location may not leave its model's folder). Values the export writes
+    (trained state) and tensors whose type or shape changed are left inline."""
+    base = record.get("base")
+    if not base or os.path.dirname(os.path.abspath(path)) != os.path.dirname(base) or not os.path.isfile(base):
+        return
+    from onnxtrain._io.external_data import mark_external, uses_external_data
+    from onnxtrain._io.model import load_model
+
+    stored = {t.name: t for t in load_model(base, load_external_data=False).graph.initializer
+              if uses_external_data(t)}
+    for tensor in out.graph.initializer:
+        reference = stored.get(tensor.name)
+        if (reference is None or tensor.name in written or tensor.data_type != reference.data_type
+                or list(tensor.dims) != list(reference.dims)):
+            continue
+        entries = {entry.key: entry.value for entry in reference.external_data}
+        if set(entries) - {"location", "offset", "length"} or "length" not in entries:
+            continue   # a checksum or a missing length, which this writer does not reproduce: copy
+        mark_external(tensor, entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+
+
+def export_transform(model: ModelProto, training: bool, merge: bool | None, path: str,
+                     written: Collection[str] = ()):
     """What an export of a model with adapters does before saving: None for a model without
     adapters; merge (default for inference exports) folds them in; merge=False keeps the
-    branch and writes the adapter file beside `path`.
+    branch, shares the base model's external data file when it can (see _share_base_data)
+    and writes the adapter file beside `path`. written: the names the export writes values for.
 
     Raises:
         ExportError: merge=True with training=True (a training model keeps its branch, so that
@@ -624,7 +669,10 @@ def export_transform(model: ModelProto, training: bool, merge: bool | None, path
             return fold(out)
         from onnxtrain._io.model import save_model
 
-        save_model(adapter_model(out), adapter_path(str(path)))
+        initializers = {t.name for t in out.graph.initializer}
+        save_model(adapter_model(out, [name for name in written if name in initializers]),
+                   adapter_path(str(path)))
+        _share_base_data(out, record, path, written)
         return out
 
     return transform

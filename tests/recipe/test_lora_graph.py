@@ -195,6 +195,7 @@ def test_factor_gradients_match_hand_derived_values(case):
         assert np.max(np.abs(got - expected)) <= 1e-5 * np.max(np.abs(expected)), name
 
 
+@pytest.mark.slow
 def test_conv_factor_gradients_match_torch_autograd():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
@@ -245,6 +246,41 @@ def test_quantized_base_trains_factors_only_and_merges_to_a_float_weight(tmp_pat
     np.testing.assert_allclose(_ort(branch, {"X": x}, exact=True), got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_adapter_export_shares_the_base_models_external_data(tmp_path):
+    rng = np.random.default_rng(11)
+    base = onnx.load_from_string(matmul_model(rng))
+    (tmp_path / "base").mkdir()
+    onnx.save_model(base, tmp_path / "base" / "model.onnx", save_as_external_data=True, location="model.data",
+                    size_threshold=0)
+    x = rng.normal(size=(3, 5, 4)).astype(np.float32)
+    training = onnxtrain.make_training_model(str(tmp_path / "base" / "model.onnx"), loss="mse",
+                                             adapters=onnxtrain.LoRA(RANK, ALPHA), trainable=["head"])
+    trainer = onnxtrain.Trainer(training)
+    _factors(trainer, read_record(training), rng)
+    trainer.step({"X": x, "labels": np.zeros((3, 5, 2), np.float32)})
+    expected = np.asarray(trainer.infer({"X": x})["Y"])
+    beside = tmp_path / "base" / "adapted.onnx"
+    trainer.export(beside, training=False, merge=False)
+    tensors = {t.name: t for t in onnx.load(beside, load_external_data=False).graph.initializer}
+    shared = {name for name, t in tensors.items() if t.data_location == TensorProto.EXTERNAL}
+    # The frozen base weights point into the base's file; trained values (head, A, B) are inline.
+    assert shared == {"W", "bias"}
+    assert {e.key: e.value for e in tensors["W"].external_data}["location"] == "model.data"
+    np.testing.assert_allclose(_ort(onnx.load(beside), {"X": x}), expected, rtol=1e-5, atol=1e-5)
+    # The adapter file carries the fully trained head too, so re-applying it gives the same model.
+    reapplied = onnxtrain.apply_adapters(str(tmp_path / "base" / "model.onnx"),
+                                         tmp_path / "base" / "adapted.adapter.onnx")
+    np.testing.assert_allclose(_ort(reapplied, {"X": x}), expected, rtol=1e-5, atol=1e-5)
+    # Elsewhere a location could not reach the base's file: the weights are written.
+    (tmp_path / "elsewhere").mkdir()
+    trainer.export(tmp_path / "elsewhere" / "adapted.onnx", training=False, merge=False)
+    written = onnx.load(tmp_path / "elsewhere" / "adapted.onnx", load_external_data=False)
+    assert not [t.name for t in written.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    np.testing.assert_allclose(_ort(written, {"X": x}), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_base_weights_are_constants_without_slots_or_state():
     rng = np.random.default_rng(5)
     training = onnxtrain.make_training_model(matmul_model(rng), loss="mse", optimizer=optim.Adam(lr=1e-2),
@@ -262,6 +298,7 @@ def test_base_weights_are_constants_without_slots_or_state():
     assert not np.array_equal(trainer.get_state("head"), before)
 
 
+@pytest.mark.slow
 def test_finetune_with_lora_trains_factors_and_exports_merged(tmp_path):
     optax = pytest.importorskip("optax")
     rng = np.random.default_rng(6)
