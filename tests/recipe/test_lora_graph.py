@@ -46,6 +46,27 @@ def matmul_model(rng) -> bytes:
     return _model(nodes, [_float("X", ["N", "T", 4])], _float("Y", ["N", "T", 2]), values)
 
 
+def transposed_model(rng) -> bytes:
+    """x [N, 4] -> MatMul with Transpose(W [3, 4]) (as torch exports nn.Linear) -> Tanh -> MatMul head."""
+    values = {"W": rng.normal(size=(3, 4)).astype(np.float32), "head": rng.normal(size=(3, 2)).astype(np.float32)}
+    nodes = [helper.make_node("Transpose", ["W"], ["W_t"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["X", "W_t"], ["h"], name="proj"),
+             helper.make_node("Tanh", ["h"], ["r"], name="tanh"),
+             helper.make_node("MatMul", ["r", "head"], ["Y"], name="head_mm")]
+    return _model(nodes, [_float("X", ["N", 4])], _float("Y", ["N", 2]), values)
+
+
+def shared_model(rng) -> bytes:
+    """One weight W [4, 4] read by two MatMuls (a tied layer applied twice), then a head."""
+    values = {"W": rng.normal(size=(4, 4)).astype(np.float32), "head": rng.normal(size=(4, 2)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["h1"], name="first"),
+             helper.make_node("Tanh", ["h1"], ["r1"], name="tanh1"),
+             helper.make_node("MatMul", ["r1", "W"], ["h2"], name="second"),
+             helper.make_node("Tanh", ["h2"], ["r2"], name="tanh2"),
+             helper.make_node("MatMul", ["r2", "head"], ["Y"], name="head_mm")]
+    return _model(nodes, [_float("X", ["N", 4])], _float("Y", ["N", 2]), values)
+
+
 def gemm_model(rng, trans_b: int, alpha: float = 0.7, trans_a: int = 0) -> bytes:
     weight = rng.normal(size=(3, 4) if trans_b else (4, 3)).astype(np.float32)
     values = {"W": weight, "C": rng.normal(size=3).astype(np.float32)}
@@ -104,6 +125,8 @@ CASES = {
     "gemm_transB0": (lambda rng: gemm_model(rng, 0), {"X": (5, 4)}, ["W"]),
     "gemm_transB1": (lambda rng: gemm_model(rng, 1), {"X": (5, 4)}, ["W"]),
     "conv": (conv_model, {"X": (2, 2, 6, 6)}, ["W"]),
+    "transposed": (transposed_model, {"X": (5, 4)}, None),
+    "shared": (shared_model, {"X": (5, 4)}, None),
 }
 
 
@@ -128,11 +151,12 @@ def test_branch_equals_merged_weight_and_exports_run_in_onnxruntime(case, tmp_pa
                                              adapters=onnxtrain.LoRA(RANK, ALPHA, targets=targets))
     record = read_record(training)
     assert list(record["weights"]) == ["W"]
+    assert len(record["weights"]["W"]["sites"]) == (2 if case == "shared" else 1)
     trainer = onnxtrain.Trainer(training)
     ((_, (a, b)),) = _factors(trainer, record, rng).items()
     weight = numpy_helper.to_array(next(t for t in onnx.load_from_string(base).graph.initializer if t.name == "W"))
     expected = _ort(_with_weight(base, "W", _merged_weight(case.split("_")[0], weight, a, b,
-                                                           case == "gemm_transB1")), feeds)
+                                                           case in ("gemm_transB1", "transposed"))), feeds)
     got = np.asarray(trainer.infer(feeds)["Y"])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -278,6 +302,26 @@ def test_adapter_export_shares_the_base_models_external_data(tmp_path):
     written = onnx.load(tmp_path / "elsewhere" / "adapted.onnx", load_external_data=False)
     assert not [t.name for t in written.graph.initializer if t.data_location == TensorProto.EXTERNAL]
     np.testing.assert_allclose(_ort(written, {"X": x}), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fit_evaluation_and_checkpoints_work_unchanged(tmp_path):
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(32, 5, 4)).astype(np.float32)
+    y = rng.normal(size=(32, 5, 2)).astype(np.float32)
+    training = onnxtrain.make_training_model(matmul_model(rng), loss="mse", optimizer=optim.Adam(lr=1e-2),
+                                             adapters=onnxtrain.LoRA(RANK, ALPHA, dropout=0.1))
+    trainer = onnxtrain.Trainer(training, seed=0)
+    history = trainer.fit((x, y), epochs=3, batch_size=8, validation_split=0.25, verbose=0, metrics=["mae"])
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    trainer.save_checkpoint(tmp_path / "lora.ckpt")
+    other = onnxtrain.Trainer(training, seed=0)
+    other.load_checkpoint(tmp_path / "lora.ckpt")
+    for name in trainer.state_names:
+        np.testing.assert_array_equal(other.get_state(name), trainer.get_state(name))
+    evaluated = trainer.evaluate({"X": x[:8], "labels": y[:8]})
+    prediction = np.asarray(trainer.infer({"X": x[:8]})["Y"])
+    assert float(evaluated["loss"]) == pytest.approx(float(np.mean((prediction - y[:8]) ** 2)), rel=1e-5)
 
 
 @pytest.mark.slow
