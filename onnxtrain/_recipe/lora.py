@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnxtrain._io.export import replace_initializer
+from onnxtrain._io.external_data import mark_external, uses_external_data
+from onnxtrain._io.model import load_model, save_model
 from onnxtrain._recipe.objective import Names, Trainable, default_opset, trainable_names
 from onnxtrain.adapters import LoRA
-from onnxtrain.errors import BindingError, ModelLoadError
+from onnxtrain.errors import BindingError, ExportError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto
 from onnxtrain.proto.make import node, tensor_value_info
 from onnxtrain.translate.registry import normalize_domain
@@ -498,8 +501,6 @@ def fold(model: ModelProto) -> ModelProto:
             graph.initializer.append(numpy_to_tensor((base + delta(entry, a, b, scale)).astype(dtype), weight))
             dequantize.ClearField("output")
         else:
-            from onnxtrain._io.export import replace_initializer
-
             stored = tensor_to_numpy(initializers[weight])
             replace_initializer(graph, weight, (stored.astype(np.float64) + delta(entry, a, b, scale)
                                                 ).astype(stored.dtype))
@@ -563,8 +564,6 @@ def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProt
 
 def apply_adapter_file(base: object, adapter_file: object, merge: bool = True) -> ModelProto:
     """See onnxtrain.apply_adapters."""
-    from onnxtrain._io.model import load_model
-
     model = load_model(base)
     adapters = load_model(adapter_file)
     record = read_record(adapters)
@@ -594,8 +593,6 @@ def apply_adapter_file(base: object, adapter_file: object, merge: bool = True) -
         if name not in {t.name for t in model.graph.initializer}:
             raise BindingError(f"the adapter file holds trained weight {name!r}, which the base model lacks "
                                "(another base model?)")
-        from onnxtrain._io.export import replace_initializer
-
         replace_initializer(model.graph, name, values[name])
     inserted = insert(model, lora, chosen, factors)
     if any(inserted["weights"][w]["A"] != record["weights"][w]["A"] for w in inserted["weights"]):
@@ -624,9 +621,6 @@ def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Colle
     base = record.get("base")
     if not base or os.path.dirname(os.path.abspath(path)) != os.path.dirname(base) or not os.path.isfile(base):
         return
-    from onnxtrain._io.external_data import mark_external, uses_external_data
-    from onnxtrain._io.model import load_model
-
     stored = {t.name: t for t in load_model(base, load_external_data=False).graph.initializer
               if uses_external_data(t)}
     for tensor in out.graph.initializer:
@@ -651,8 +645,6 @@ def export_transform(model: ModelProto, training: bool, merge: bool | None, path
         ExportError: merge=True with training=True (a training model keeps its branch, so that
             Trainer(path) resumes), or merge given for a model without adapters.
     """
-    from onnxtrain.errors import ExportError
-
     record = read_record(model)
     if record is None:
         if merge is not None:
@@ -667,8 +659,6 @@ def export_transform(model: ModelProto, training: bool, merge: bool | None, path
     def transform(out: ModelProto) -> ModelProto:
         if merge is None or merge:
             return fold(out)
-        from onnxtrain._io.model import save_model
-
         initializers = {t.name for t in out.graph.initializer}
         save_model(adapter_model(out, [name for name in written if name in initializers]),
                    adapter_path(str(path)))

@@ -427,3 +427,26 @@ def test_embedding_table_is_not_adaptable():
                    _float("Y", ["N", 10]), {"table": table, "table_t": table.T.copy()})
     with pytest.raises(BindingError, match="embedding table"):
         onnxtrain.make_training_model(model, loss="mse", adapters=onnxtrain.LoRA(RANK, ALPHA, targets=["table"]))
+
+
+def test_patterns_and_predicates_choose_targets():
+    rng = np.random.default_rng(13)
+    model = matmul_model(rng)
+    by_pattern = onnxtrain.make_training_model(model, loss="mse", adapters=onnxtrain.LoRA(RANK, ALPHA, targets="*"))
+    assert list(read_record(by_pattern)["weights"]) == ["W", "head"]   # a pattern may choose the head
+    seen = []
+
+    def only_the_head(name, value, consumer):
+        seen.append((name, value.shape, consumer.name))
+        return consumer.name == "head_mm"
+
+    by_predicate = onnxtrain.make_training_model(model, loss="mse",
+                                                 adapters=onnxtrain.LoRA(RANK, ALPHA, targets=only_the_head))
+    assert list(read_record(by_predicate)["weights"]) == ["head"]
+    assert seen == [("W", (4, 3), "proj"), ("head", (3, 2), "head_mm")]
+    with pytest.raises(BindingError, match="chose none"):
+        onnxtrain.make_training_model(model, loss="mse",
+                                      adapters=onnxtrain.LoRA(RANK, ALPHA, targets=lambda *_: False))
+    conv = conv_model(rng)
+    with pytest.raises(BindingError, match="found no linear layer"):
+        onnxtrain.make_training_model(conv, loss="mse", adapters=onnxtrain.LoRA(RANK, ALPHA))
