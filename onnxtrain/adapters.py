@@ -111,6 +111,6 @@ def apply_adapters(base, adapter_file, merge: bool = True):
         >>> merged = onnxtrain.apply_adapters("gpt2.onnx", "gpt2.lora.adapter.onnx")
         >>> onnxtrain.save_model(merged, "gpt2.merged.onnx")
     """
-    from onnxtrain._recipe.lora import apply_adapter_file
+    from onnxtrain._recipe.lora_export import apply_adapter_file
 
     return apply_adapter_file(base, adapter_file, merge)

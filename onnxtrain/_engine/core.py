@@ -26,7 +26,7 @@ from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Prog
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
-from onnxtrain._recipe.lora import export_transform
+from onnxtrain._recipe.lora_export import export_transform
 from onnxtrain.errors import InputError, ModelLoadError
 from onnxtrain.data import Data, fit_data
 from onnxtrain.fitting import Batches, Callback, evaluate_batches, fit

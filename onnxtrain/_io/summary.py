@@ -6,7 +6,7 @@ import math
 from collections import Counter
 
 from onnxtrain._io.model import ModelSource, load_model
-from onnxtrain._recipe.lora import describe_adapters
+from onnxtrain._recipe.lora_export import describe_adapters
 from onnxtrain.proto import (AttributeProto, GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
                              TypeProto, ValueInfoProto)
 from onnxtrain.proto.walk import iter_graphs

@@ -11,8 +11,8 @@ dequantized nor trained). Next to each consumer the graph gains
 
 with A, B and s new initializers (Conv: A is a conv with W's kernel to `rank` channels, B a
 1x1 conv). The nodes are named `<consumer>/lora/...` and recorded, with the targets, in the
-metadata entry ADAPTERS_KEY, so that `fold` can remove them again and write the original
-graph with W + (alpha/rank)·A·B in W's place.
+metadata entry ADAPTERS_KEY, so that lora_export.fold can remove them again and write the
+original graph with W + (alpha/rank)·A·B in W's place.
 """
 
 from __future__ import annotations
@@ -22,24 +22,20 @@ import fnmatch
 import json
 import math
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnxtrain._io.export import replace_initializer
-from onnxtrain._io.external_data import mark_external, uses_external_data
-from onnxtrain._io.model import load_model, save_model
 from onnxtrain._recipe.objective import Names, Trainable, default_opset, trainable_names
 from onnxtrain.adapters import LoRA
-from onnxtrain.errors import BindingError, ExportError, ModelLoadError
+from onnxtrain.errors import BindingError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto
-from onnxtrain.proto.make import node, tensor_value_info
+from onnxtrain.proto.make import node
 from onnxtrain.translate.registry import normalize_domain
-from onnxtrain.translate.tensors import ELEMENT_TYPES, data_type_of, numpy_to_tensor, tensor_to_numpy
+from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_to_numpy
 
 ADAPTERS_KEY = "onnxtrain.adapters"
-ADAPTER_SUFFIX = ".adapter.onnx"
 FORMAT = 1
 # Ops that pass a weight on unchanged in value (a 2-D Transpose swaps its layout).
 _PASS = {"Identity", "Transpose"}
@@ -85,7 +81,8 @@ class Candidate:
         return (columns, rows) if self.sites[0].transposed else (rows, columns)
 
 
-def _attribute(item: NodeProto, name: str, default: object) -> object:
+def attribute_value(item: NodeProto, name: str, default: object) -> object:
+    """The value of attribute `name` of `item` (float, int, ints or string), else `default`."""
     for attribute in item.attribute:
         if attribute.name == name:
             if attribute.type == attribute.FLOAT:
@@ -118,15 +115,15 @@ def _site(item: NodeProto, position: int, transposed: bool) -> tuple[Site | None
     if item.op_type == "MatMul":
         return Site(item, position, "MatMul", transposed), None
     if item.op_type == "Gemm":
-        if _attribute(item, "transA", 0):
+        if attribute_value(item, "transA", 0):
             return None, (f"{shown} has transA=1 (x transposed); LoRA adapts Gemm with transA=0 only, "
                           "so leave this weight out of targets")
-        flipped = transposed != bool(_attribute(item, "transB", 0))
-        return Site(item, position, "Gemm", flipped, float(_attribute(item, "alpha", 1.0))), None
+        flipped = transposed != bool(attribute_value(item, "transB", 0))
+        return Site(item, position, "Gemm", flipped, float(attribute_value(item, "alpha", 1.0))), None
     if item.op_type == "Conv":
         if transposed:
             return None, f"{shown} reads the weight through a Transpose"
-        if _attribute(item, "group", 1) != 1:
+        if attribute_value(item, "group", 1) != 1:
             return None, f"{shown} is a grouped convolution (group != 1); LoRA adapts group=1 Conv only"
         return Site(item, position, "Conv"), None
     return None, None
@@ -141,7 +138,7 @@ def _reach(name: str, uses: Uses) -> tuple[list[Site], str | None]:
         value, transposed = pending.pop()
         for item, position, index in uses.get(value, []):
             if normalize_domain(item.domain) == "" and item.op_type in _PASS and index == 0:
-                perm = _attribute(item, "perm", None)
+                perm = attribute_value(item, "perm", None)
                 if item.op_type == "Transpose" and perm not in (None, [1, 0]):
                     return [], f"it is read by Transpose {item.name!r} with perm={perm}"
                 pending.append((item.output[0], transposed != (item.op_type == "Transpose")))
@@ -316,7 +313,7 @@ def _branch(site: Site, a: str, b: str, scale: str, ratio: str | None, fresh: Na
         x = dropped
     down, up, scaled = (fresh(f"{prefix}/lora/{part}") for part in ("xA", "xAB", "scaled"))
     if site.kind == "Conv":
-        keep = {k: _attribute(item, k, None) for k in ("auto_pad", "dilations", "kernel_shape", "pads", "strides")}
+        keep = {k: attribute_value(item, k, None) for k in ("auto_pad", "dilations", "kernel_shape", "pads", "strides")}
         keep = {k: v for k, v in keep.items() if v is not None}
         nodes.append(node("Conv", [x, a], [down], name=fresh(f"{prefix}/lora/A"), **keep))
         nodes.append(node("Conv", [down, b], [up], name=fresh(f"{prefix}/lora/B")))
@@ -377,11 +374,11 @@ def insert(model: ModelProto, lora: LoRA, chosen: list[Candidate],
         ordered.extend(after.get(index, []))
     del graph.node[:]
     graph.node.extend(ordered)
-    _set_record(model, record)
+    set_record(model, record)
     return record
 
 
-def _set_record(model: ModelProto, record: dict | None) -> None:
+def set_record(model: ModelProto, record: dict | None) -> None:
     kept = [entry for entry in model.metadata_props if entry.key != ADAPTERS_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -432,239 +429,6 @@ def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str |
     record = insert(model, lora, chosen)
     if isinstance(source, (str, os.PathLike)):
         record["base"] = os.path.abspath(source)
-        _set_record(model, record)
+        set_record(model, record)
     factors = [name for entry in record["weights"].values() for name in (entry["A"], entry["B"])]
     return [*factors, *extra]
-
-
-# --- folding back, adapter files ------------------------------------------------------------------
-
-def _dequantized(graph: GraphProto, item: NodeProto) -> np.ndarray:
-    """DequantizeLinear of initializers in float64: per tensor, per axis or blocked."""
-    values = {t.name: t for t in graph.initializer}
-    data = tensor_to_numpy(values[item.input[0]]).astype(np.float64)
-    scale = tensor_to_numpy(values[item.input[1]]).astype(np.float64)
-    zero = (tensor_to_numpy(values[item.input[2]]).astype(np.float64)
-            if len(item.input) > 2 and item.input[2] else np.zeros_like(scale))
-    if scale.size == 1 and scale.ndim <= 1:
-        return (data - zero.reshape(())) * scale.reshape(())
-    axis = int(_attribute(item, "axis", 1)) % data.ndim
-    block = int(_attribute(item, "block_size", 0))
-    if block:
-        scale = np.repeat(scale, block, axis=axis).take(range(data.shape[axis]), axis=axis)
-        zero = np.repeat(zero, block, axis=axis).take(range(data.shape[axis]), axis=axis)
-        return (data - zero) * scale
-    shape = [1] * data.ndim
-    shape[axis] = -1
-    return (data - zero.reshape(shape)) * scale.reshape(shape)
-
-
-def delta(entry: Mapping, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
-    """(alpha/rank)·A·B in the stored layout of the weight (float64)."""
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    if entry["kind"] == "Conv":
-        change = np.einsum("or,ri...->oi...", b64.reshape(b64.shape[:2]), a64)
-    else:
-        change = a64 @ b64
-        if entry["transposed"]:
-            change = change.T
-    return scale * change
-
-
-def fold(model: ModelProto) -> ModelProto:
-    """`model` (with an adapter branch) as the original graph with each adapted weight replaced
-    by W + (alpha/rank)·A·B (in place; returned). A quantized base weight becomes a float
-    initializer named as its DequantizeLinear output; the integer tensor, scale and zero point
-    go when nothing else reads them."""
-    record = read_record(model)
-    if record is None:
-        return model
-    graph = model.graph
-    scale = record["alpha"] / record["rank"]
-    initializers = {t.name: t for t in graph.initializer}
-    dropped_nodes: set[str] = set()
-    dropped_values: set[str] = set(filter(None, [record.get("dropout_ratio")]))
-    renamed: dict[str, str] = {}
-    producers = {out: item for item in graph.node for out in item.output}
-    for weight, entry in record["weights"].items():
-        a = tensor_to_numpy(initializers[entry["A"]])
-        b = tensor_to_numpy(initializers[entry["B"]])
-        dropped_values.update([entry["A"], entry["B"]])
-        for site in entry["sites"]:
-            dropped_nodes.update(site["nodes"])
-            dropped_values.add(site["scale"])
-            renamed[site["base"]] = site["output"]
-        if entry["quantized"]:
-            dequantize = producers[weight]
-            base = _dequantized(graph, dequantize)
-            dtype = ELEMENT_TYPES[initializers[dequantize.input[1]].data_type].dtype
-            graph.initializer.append(numpy_to_tensor((base + delta(entry, a, b, scale)).astype(dtype), weight))
-            dequantize.ClearField("output")
-        else:
-            stored = tensor_to_numpy(initializers[weight])
-            replace_initializer(graph, weight, (stored.astype(np.float64) + delta(entry, a, b, scale)
-                                                ).astype(stored.dtype))
-    kept = []
-    for item in graph.node:
-        if item.name in dropped_nodes or not item.output:
-            continue
-        copy = NodeProto()
-        copy.CopyFrom(item)
-        copy.output[:] = [renamed.get(name, name) for name in item.output]
-        kept.append(copy)
-    del graph.node[:]
-    graph.node.extend(kept)
-    read = {name for item in graph.node for name in item.input} | {v.name for v in graph.output}
-    unused = {t.name for t in graph.initializer if t.name not in read and t.name in _quantized_inputs(record, producers)}
-    remaining = [t for t in graph.initializer if t.name not in dropped_values and t.name not in unused]
-    del graph.initializer[:]
-    graph.initializer.extend(remaining)
-    _set_record(model, None)
-    return model
-
-
-def _quantized_inputs(record: Mapping, producers: Mapping[str, NodeProto]) -> set[str]:
-    """The integer tensors, scales and zero points of the quantized weights' DequantizeLinear."""
-    names: set[str] = set()
-    for weight, entry in record["weights"].items():
-        if entry["quantized"] and weight in producers:
-            names.update(producers[weight].input)
-    return names
-
-
-def adapter_path(path: str) -> str:
-    """The adapter file beside the model file `path`: model.onnx -> model.adapter.onnx."""
-    stem = path[:-len(".onnx")] if path.endswith(".onnx") else path
-    return stem + ADAPTER_SUFFIX
-
-
-def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProto:
-    """An ONNX model holding only the A and B initializers of `model` (each also a graph
-    output, so the file is a valid model ONNX Runtime can load) and the adapter record, plus
-    the base weights in `trained` (trained fully, as PEFT's modules_to_save), listed in the
-    record under "trained"."""
-    record = dict(read_record(model) or {})
-    if not record:
-        raise BindingError("the model carries no adapters")
-    names = [name for entry in record["weights"].values() for name in (entry["A"], entry["B"])]
-    record.pop("base", None)   # a local path, meaningless elsewhere
-    record["trained"] = [name for name in trained if name not in names]
-    names += record["trained"]
-    values = {t.name: t for t in model.graph.initializer}
-    graph = GraphProto(name="lora_adapters")
-    for name in names:
-        tensor = values[name]
-        graph.initializer.append(tensor)
-        graph.output.append(tensor_value_info(name, tensor.data_type, list(tensor.dims)))
-    out = ModelProto(ir_version=model.ir_version, producer_name="onnxtrain", graph=graph)
-    out.opset_import.extend(o for o in model.opset_import if normalize_domain(o.domain) == "")
-    _set_record(out, record)
-    return out
-
-
-def apply_adapter_file(base: object, adapter_file: object, merge: bool = True) -> ModelProto:
-    """See onnxtrain.apply_adapters."""
-    model = load_model(base)
-    adapters = load_model(adapter_file)
-    record = read_record(adapters)
-    if record is None:
-        raise ModelLoadError(f"the adapter file carries no {ADAPTERS_KEY!r} metadata; pass a file written by "
-                             "export(..., merge=False) (its name ends in .adapter.onnx)")
-    values = {t.name: tensor_to_numpy(t) for t in adapters.graph.initializer}
-    lora = LoRA(record["rank"], record["alpha"], dropout=record["dropout"])
-    found = candidates(model)
-    chosen, factors = [], {}
-    for name, entry in record["weights"].items():
-        candidate = found.get(name)
-        if candidate is None or candidate.problem is not None:
-            why = "it is not there" if candidate is None else candidate.problem
-            raise BindingError(f"the adapter file adapts {name!r}, but the base model cannot take it: {why} "
-                               "(another base model?)")
-        if list(candidate.dims) != entry["shape"] or candidate.kind != entry["kind"]:
-            raise BindingError(f"adapted weight {name!r} is a {candidate.kind} weight of shape "
-                               f"{list(candidate.dims)} in the base model, but the adapter was trained on a "
-                               f"{entry['kind']} weight of shape {entry['shape']}: another base model?")
-        chosen.append(candidate)
-        factors[name] = (values[entry["A"]], values[entry["B"]])
-    # Graph order, as at training time, so the branch gets the same names.
-    order = list(found)
-    chosen.sort(key=lambda c: order.index(c.name))
-    for name in record.get("trained", []):
-        if name not in {t.name for t in model.graph.initializer}:
-            raise BindingError(f"the adapter file holds trained weight {name!r}, which the base model lacks "
-                               "(another base model?)")
-        replace_initializer(model.graph, name, values[name])
-    inserted = insert(model, lora, chosen, factors)
-    if any(inserted["weights"][w]["A"] != record["weights"][w]["A"] for w in inserted["weights"]):
-        raise BindingError("the adapter's tensor names do not fit the base model (another base model?)")
-    return fold(model) if merge else model
-
-
-def describe_adapters(model: ModelProto) -> list[str]:
-    """Lines for `onnxtrain inspect`: each adapted weight, its kind, rank and factors."""
-    record = read_record(model)
-    if record is None:
-        return []
-    lines = [f"LoRA adapters: rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, "
-             f"{len(record['weights'])} weights"]
-    for weight, entry in record["weights"].items():
-        quantized = ", quantized base" if entry["quantized"] else ""
-        lines.append(f"  {weight} ({entry['kind']} {entry['shape']}{quantized}): {entry['A']}, {entry['B']}")
-    return lines
-
-
-def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Collection[str]) -> None:
-    """Point the base weights of `out` at the base model's external data file instead of
-    copying them, when the base came from a file with external data in the folder `path` is
-    written to (a location may not leave its model's folder). Values the export writes
-    (trained state) and tensors whose type or shape changed are left inline."""
-    base = record.get("base")
-    if not base or os.path.dirname(os.path.abspath(path)) != os.path.dirname(base) or not os.path.isfile(base):
-        return
-    stored = {t.name: t for t in load_model(base, load_external_data=False).graph.initializer
-              if uses_external_data(t)}
-    for tensor in out.graph.initializer:
-        reference = stored.get(tensor.name)
-        if (reference is None or tensor.name in written or tensor.data_type != reference.data_type
-                or list(tensor.dims) != list(reference.dims)):
-            continue
-        entries = {entry.key: entry.value for entry in reference.external_data}
-        if set(entries) - {"location", "offset", "length"} or "length" not in entries:
-            continue   # a checksum or a missing length, which this writer does not reproduce: copy
-        mark_external(tensor, entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
-
-
-def export_transform(model: ModelProto, training: bool, merge: bool | None, path: str,
-                     written: Collection[str] = ()):
-    """What an export of a model with adapters does before saving: None for a model without
-    adapters; merge (default for inference exports) folds them in; merge=False keeps the
-    branch, shares the base model's external data file when it can (see _share_base_data)
-    and writes the adapter file beside `path`. written: the names the export writes values for.
-
-    Raises:
-        ExportError: merge=True with training=True (a training model keeps its branch, so that
-            Trainer(path) resumes), or merge given for a model without adapters.
-    """
-    record = read_record(model)
-    if record is None:
-        if merge is not None:
-            raise ExportError(f"merge={merge} applies to models with adapters (LoRA); this model has none")
-        return None
-    if training:
-        if merge:
-            raise ExportError("a training export keeps the adapter branch and A, B as state, so that "
-                              "Trainer(path) resumes; export(training=False) to merge")
-        return None
-
-    def transform(out: ModelProto) -> ModelProto:
-        if merge is None or merge:
-            return fold(out)
-        initializers = {t.name for t in out.graph.initializer}
-        save_model(adapter_model(out, [name for name in written if name in initializers]),
-                   adapter_path(str(path)))
-        _share_base_data(out, record, path, written)
-        return out
-
-    return transform
-
-
