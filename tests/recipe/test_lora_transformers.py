@@ -187,3 +187,21 @@ def test_default_targets_of_a_bert_classifier_skip_embeddings_and_head(tmp_path)
                       and "classifier" not in name)
     assert adapted == expected
     assert len(adapted) == 13   # q, k, v, attention output, intermediate, output per layer; the pooler
+
+
+def test_finetune_with_lora_learns_and_exports_what_onnxruntime_serves(exported, tmp_path):
+    optax = pytest.importorskip("optax")
+    family, _, ids, path = exported
+    tuner = onnxtrain.finetune(str(path), "cross_entropy", optax.adam(1e-2), adapters=onnxtrain.LoRA(RANK, ALPHA))
+    assert len(tuner.state_names) == (16 if family == "gpt2" else 28)
+    assert all(name.endswith((".lora_A", ".lora_B")) for name in tuner.state_names)
+    feeds = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
+    losses = [float(tuner.step(feeds)["loss"]) for _ in range(30)]
+    print(f"\n{family} (finetune, optax): loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
+    assert losses[-1] < 0.9 * losses[0]
+    tuner.export(tmp_path / "merged.onnx")
+    session = ort.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"])
+    error = float(np.max(np.abs(session.run(None, {"input_ids": ids})[0]
+                                - np.asarray(tuner.infer({"input_ids": ids})["logits"]))))
+    print(f"{family} (finetune): onnxruntime vs infer, merged: {error:.2e}")
+    assert error <= 1e-4
