@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxtrain._io.model import ModelSource
 from onnxtrain.errors import InputError
-from onnxtrain.proto import NodeProto
+from onnxtrain.proto import ModelProto, NodeProto
 
 # A predicate over candidate weights: (value name, its stored array, the first consumer node).
 TargetPredicate = Callable[[str, np.ndarray, NodeProto], bool]
@@ -90,7 +91,7 @@ class LoRA:
         return float(self.alpha) / int(self.rank)
 
 
-def apply_adapters(base, adapter_file, merge: bool = True):
+def apply_adapters(base: ModelSource, adapter_file: ModelSource, merge: bool = True) -> ModelProto:
     """The base model with the adapters of an adapter file (written by export(merge=False)).
 
     Args:

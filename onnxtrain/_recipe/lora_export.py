@@ -15,7 +15,7 @@ import numpy as np
 
 from onnxtrain._io.export import replace_initializer
 from onnxtrain._io.external_data import mark_external, uses_external_data
-from onnxtrain._io.model import load_model, save_model
+from onnxtrain._io.model import ModelSource, load_model, save_model
 from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError, ModelLoadError
@@ -152,7 +152,7 @@ def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProt
     return out
 
 
-def apply_adapter_file(base: object, adapter_file: object, merge: bool = True) -> ModelProto:
+def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool = True) -> ModelProto:
     """See onnxtrain.apply_adapters."""
     model = load_model(base)
     adapters = load_model(adapter_file)

@@ -450,3 +450,22 @@ def test_patterns_and_predicates_choose_targets():
     conv = conv_model(rng)
     with pytest.raises(BindingError, match="found no linear layer"):
         onnxtrain.make_training_model(conv, loss="mse", adapters=onnxtrain.LoRA(RANK, ALPHA))
+
+
+def test_apply_adapters_refuses_files_that_do_not_fit(tmp_path):
+    rng = np.random.default_rng(14)
+    base = matmul_model(rng)
+    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(base, loss="mse", adapters=onnxtrain.LoRA(RANK, ALPHA)))
+    trainer.export(tmp_path / "adapted.onnx", training=False, merge=False)
+    adapter = tmp_path / "adapted.adapter.onnx"
+    with pytest.raises(onnxtrain.ModelLoadError, match="carries no 'onnxtrain.adapters' metadata"):
+        onnxtrain.apply_adapters(base, base)
+    other = _with_weight(base, "W", rng.normal(size=(4, 3)).astype(np.float32))
+    proto = onnx.load_from_string(other)
+    proto.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.zeros((4, 5), np.float32), "W"))
+    with pytest.raises(BindingError, match=r"shape \[4, 5\] in the base model.*another base model"):
+        onnxtrain.apply_adapters(proto.SerializeToString(), adapter)
+    broken = onnx.load(adapter)
+    broken.metadata_props[0].value = "{not json"
+    with pytest.raises(onnxtrain.ModelLoadError, match="is malformed"):
+        onnxtrain.apply_adapters(base, broken.SerializeToString())
