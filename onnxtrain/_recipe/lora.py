@@ -239,7 +239,7 @@ def select(model: ModelProto, lora: LoRA, prediction: str | None = None) -> list
         if not chosen:
             raise BindingError("LoRA(targets=None) found no linear layer to adapt: no 2-D float weight is the "
                                "weight operand of a MatMul or Gemm (other than embeddings and the output "
-                               f"head){_listing(found)}; name the weights with targets=[...]")
+                               f"head){_listing(usable)}; name the weights with targets=[...]")
         return chosen
     if callable(targets):
         chosen = [c for c in usable.values() if targets(c.name, _stored(model, c), c.sites[0].node)]
