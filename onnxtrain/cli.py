@@ -304,8 +304,9 @@ def _command(commands: Any, name: str, help_text: str) -> argparse.ArgumentParse
 def _recipe_options(command: argparse.ArgumentParser) -> None:
     """The options make-training and finetune share: what to optimize, against which label."""
     command.add_argument("--loss", required=True, choices=LOSSES,
-                         help="the loss (required: cross_entropy for class indices, mse/l1 for values, "
-                              "bce_with_logits for 0/1 targets)")
+                         help="the loss (required: cross_entropy for class indices, causal_lm for a "
+                              "language model's next token, mse/l1 for values, bce_with_logits for 0/1 "
+                              "targets)")
     command.add_argument("--output", help="the model output the loss reads (none: the first)")
     command.add_argument("--label", default="labels", help="name of the label input")
     command.add_argument("--trainable", action="append",

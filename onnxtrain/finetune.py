@@ -177,7 +177,8 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
     Args:
         model: a path, bytes, file object or ModelProto of an inference model.
         loss: required, as for make_training_model: "cross_entropy" (logits vs class
-            indices), "mse", "l1", "bce_with_logits", a loss graph (prediction, label) ->
+            indices), "causal_lm" (a language model's next-token loss, the input ids as labels),
+            "mse", "l1", "bce_with_logits", a loss graph (prediction, label) ->
             scalar, or a JAX function (prediction, label) -> scalar.
         optimizer: any optax GradientTransformation (default: optax.adam(1e-3)).
         output: which model output is the prediction (default: the first).

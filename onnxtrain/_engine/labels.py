@@ -5,7 +5,8 @@ node's ignore_index; the standard leaves every other value undefined. Run anyway
 C or more reads outside the scores (a NaN loss that looks like a diverging step) and a
 negative one picks a real class, silently. So every label input a step is fed directly is
 checked here: against C where the scores' class axis (axis 1) has a declared size, else
-against 0 only.
+against 0 only. Labels cut from a fed input (causal_lm shifts them with a Slice) are checked
+on the whole input.
 
 The check reads host arrays only (numpy, and what the feed check converted to numpy: torch
 tensors, lists); a jax.Array is left alone, since reading it back would wait for the device.
@@ -68,14 +69,14 @@ class LabelRule:
                 f"labels must be in {valid}{ignored}; {advice}")
 
 
-def _class_count(value_type: TypeProto | None) -> int | None:
-    """The declared size of axis 1 of a tensor type, or None."""
+def _declared_dim(value_type: TypeProto | None, axis: int) -> int | None:
+    """The declared size of `axis` of a tensor type, or None."""
     if value_type is None or not value_type.HasField("tensor_type"):
         return None
     tensor = value_type.tensor_type
-    if not tensor.HasField("shape") or len(tensor.shape.dim) < 2:
+    if not tensor.HasField("shape") or len(tensor.shape.dim) <= axis:
         return None
-    dim = tensor.shape.dim[1]
+    dim = tensor.shape.dim[axis]
     return dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else None
 
 
@@ -84,19 +85,58 @@ def _ignore_index(item: NodeProto) -> int | None:
 
 
 def label_rules(graph: GraphProto, fed: Iterable[str]) -> list[LabelRule]:
-    """A rule for each input in `fed` that a class-index loss node of `graph` reads as its labels."""
+    """A rule for each input in `fed` that a class-index loss node of `graph` reads as its
+    labels, directly or through Identity and Slice (causal_lm's shifted labels: the rule then
+    checks the whole fed tensor)."""
     fed = set(fed)
     # Untyped entries (a step listing an output by name only) must not hide a declared type.
     types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]
              if v.type.HasField("tensor_type")}
+    producers = {name: item for item in graph.node for name in item.output if name}
     rules = []
     for item in graph.node:
-        if (item.op_type in _LOSSES and normalize_domain(item.domain) == "" and len(item.input) >= 2
-                and item.input[1] in fed):
+        if item.op_type not in _LOSSES or normalize_domain(item.domain) != "" or len(item.input) < 2:
+            continue
+        source = _fed_source(item.input[1], producers, fed)
+        if source is not None:
             loss = f"{item.op_type} node {item.name!r}" if item.name else f"{item.op_type} node"
-            rules.append(LabelRule(item.input[1], _class_count(types.get(item.input[0])),
+            rules.append(LabelRule(source, _class_count(item.input[0], types, producers),
                                    _ignore_index(item), loss))
     return rules
+
+
+# Ops that keep a tensor's values in place along the axis followed (a Slice may shorten other
+# axes; one shortening the class axis only makes the check looser, never wrong).
+_KEEPS_VALUES = ("Identity", "Slice")
+
+
+def _fed_source(name: str, producers: Mapping[str, NodeProto], fed: set[str]) -> str | None:
+    """The fed input `name` is cut from by Identity and Slice nodes, or None."""
+    while name not in fed:
+        item = producers.get(name)
+        if item is None or item.op_type not in _KEEPS_VALUES:
+            return None
+        name = item.input[0]
+    return name
+
+
+def _class_count(scores: str, types: Mapping[str, TypeProto], producers: Mapping[str, NodeProto]) -> int | None:
+    """The declared size of the scores' class axis (axis 1), followed back through Identity,
+    Slice and Transpose to a value whose type declares it; None when none does."""
+    name, axis = scores, 1
+    while True:
+        size = _declared_dim(types.get(name), axis)
+        item = producers.get(name)
+        if size is not None or item is None:
+            return size
+        if item.op_type == "Transpose":
+            perm = next((list(a.ints) for a in item.attribute if a.name == "perm"), None)
+            if not perm or axis >= len(perm):
+                return None
+            axis = perm[axis]
+        elif item.op_type not in _KEEPS_VALUES:
+            return None
+        name = item.input[0]
 
 
 class LabelCheckedFeeds:

@@ -110,7 +110,8 @@ def make_training_model(
     Args:
         model: the inference model (a path, bytes, file object or ModelProto).
         loss: required, as for finetune and the command line: "mse", "l1", "cross_entropy"
-            (logits vs class indices), "bce_with_logits", or a graph (prediction, label) ->
+            (logits vs class indices), "causal_lm" (logits [batch, length, vocabulary] vs the
+            input ids: next-token prediction, -100 ignored), "bce_with_logits", or a graph (prediction, label) ->
             scalar loss.
         output: which model output is the prediction (default: the first).
         optimizer: an onnxtrain.optim optimizer (with a learning-rate schedule, clip_norm=,
@@ -119,7 +120,7 @@ def make_training_model(
         trainable: None for the default weights (see the README), one initializer name, a
             list of names, or a predicate (name, value) -> bool.
         label: the name of the label input the training step takes.
-        ignore_index: for "cross_entropy", a label value that contributes nothing (e.g. -100,
+        ignore_index: for "cross_entropy" and "causal_lm", a label value that contributes nothing (e.g. -100,
             torch's default); labels are checked against the number of classes before
             every step.
         train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics

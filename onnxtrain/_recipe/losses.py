@@ -46,6 +46,29 @@ def cross_entropy(prediction: str, label: str, loss: str, fresh: Names,
     return [node("SoftmaxCrossEntropyLoss", [prediction, label], [loss], reduction="mean", **settings)], []
 
 
+def causal_lm(prediction: str, label: str, loss: str, fresh: Names,
+              ignore_index: int | None = -100) -> tuple[list[NodeProto], list[TensorProto]]:
+    """Next-token cross-entropy of language-model logits [N, T, V] against token ids [N, T], as
+    Hugging Face's causal LMs compute it: position t's logits predict token t + 1, so the
+    loss compares logits[:, :-1] with labels[:, 1:] (pass the input ids themselves as labels),
+    and labels equal to ignore_index (-100 by default, padding) contribute nothing.
+    """
+    names = {part: fresh(f"loss.{part}") for part in
+             ("first", "last", "second", "end", "time", "logits", "scores", "targets")}
+    tensors = [scalar(names["first"], [0], np.int64), scalar(names["last"], [-1], np.int64),
+               scalar(names["second"], [1], np.int64),
+               scalar(names["end"], [np.iinfo(np.int64).max], np.int64), scalar(names["time"], [1], np.int64)]
+    settings = {} if ignore_index is None else {"ignore_index": int(ignore_index)}
+    return [
+        node("Slice", [prediction, names["first"], names["last"], names["time"]], [names["logits"]]),
+        # SoftmaxCrossEntropyLoss takes the classes on axis 1.
+        node("Transpose", [names["logits"]], [names["scores"]], perm=[0, 2, 1]),
+        node("Slice", [label, names["second"], names["end"], names["time"]], [names["targets"]]),
+        node("SoftmaxCrossEntropyLoss", [names["scores"], names["targets"]], [loss], reduction="mean",
+             **settings),
+    ], tensors
+
+
 def bce_with_logits(prediction: str, label: str, loss: str,
                     fresh: Names) -> tuple[list[NodeProto], list[TensorProto]]:
     """mean(max(x, 0) - x*y + log(1 + exp(-|x|))): stable for logits of any size."""
@@ -63,7 +86,10 @@ def bce_with_logits(prediction: str, label: str, loss: str,
     ], []
 
 
-BUILT_IN = {"mse": mse, "l1": l1, "cross_entropy": cross_entropy, "bce_with_logits": bce_with_logits}
+BUILT_IN = {"mse": mse, "l1": l1, "cross_entropy": cross_entropy, "causal_lm": causal_lm,
+            "bce_with_logits": bce_with_logits}
+# The built-in losses of class indices: they take ignore_index=.
+CLASS_INDEX_LOSSES = ("cross_entropy", "causal_lm")
 
 
 def inline_loss_graph(graph: GraphProto, prediction: str, label: str, loss: str,
@@ -101,11 +127,13 @@ def label_input(kind: str, prediction: ValueInfoProto, label: str,
         value.type.CopyFrom(graph.input[1].type)
         return value
     value.type.CopyFrom(prediction.type)
-    if kind == "cross_entropy":
+    if kind in CLASS_INDEX_LOSSES:
         tensor = value.type.tensor_type
         tensor.elem_type = TensorProto.INT64
+        # cross_entropy's classes are axis 1 of the scores, causal_lm's the last axis.
+        axis = 1 if kind == "cross_entropy" else -1
         if tensor.HasField("shape") and len(tensor.shape.dim) >= 2:
-            del tensor.shape.dim[1]
+            del tensor.shape.dim[axis]
     return value
 
 

@@ -17,7 +17,7 @@ from functools import partial
 
 import numpy as np
 
-from onnxtrain._recipe.losses import BUILT_IN, cross_entropy, inline_loss_graph, label_input
+from onnxtrain._recipe.losses import BUILT_IN, CLASS_INDEX_LOSSES, inline_loss_graph, label_input
 from onnxtrain._recipe.trainable import FLOATS, trainable_set
 from onnxtrain.errors import BindingError, InputError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, ValueInfoProto
@@ -186,11 +186,11 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
               ignore_index: int | None = None) -> Objective:
     """The objective for `model`'s `output` (default: the first) against the label input `label`.
 
-    loss: "mse", "l1", "cross_entropy", "bce_with_logits", a loss graph (prediction, label) ->
+    loss: "mse", "l1", "cross_entropy", "causal_lm", "bce_with_logits", a loss graph (prediction, label) ->
     scalar, or a JAX function (prediction, label) -> scalar (left to the caller).
     train_mode: Dropout and BatchNormalization as in training (BatchNorm statistics become
     state) unless freeze_batchnorm keeps BatchNorm on its running statistics.
-    ignore_index: for "cross_entropy", a label value that contributes nothing.
+    ignore_index: for "cross_entropy" and "causal_lm", a label value that contributes nothing.
     """
     outputs = {v.name: v for v in model.graph.output}
     output = output or model.graph.output[0].name
@@ -200,9 +200,13 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
         raise BindingError(f"loss={loss!r} is not one of {sorted(BUILT_IN)} (or pass a loss graph "
                            "(prediction, label) -> scalar; finetune also takes a JAX function)")
     _check_ignore_index(loss, ignore_index)
-    if loss == "cross_entropy" and default_opset(model) < 13:
-        raise BindingError("loss='cross_entropy' needs ai.onnx opset 13 or newer (SoftmaxCrossEntropyLoss); "
+    if loss in CLASS_INDEX_LOSSES and default_opset(model) < 13:
+        raise BindingError(f"loss={loss!r} needs ai.onnx opset 13 or newer (SoftmaxCrossEntropyLoss); "
                            "the model imports an older one. Pass a loss graph instead.")
+    if loss == "causal_lm" and len(outputs[output].type.tensor_type.shape.dim) not in (0, 3):
+        raise BindingError(f"loss='causal_lm' takes logits [batch, length, vocabulary]; output {output!r} "
+                           f"has rank {len(outputs[output].type.tensor_type.shape.dim)}. Pick the logits "
+                           "output with output=, or use loss='cross_entropy' (classes on axis 1)")
     fresh = Names(model.graph)
     graph = GraphProto(name="train_step")
     needs_training_mode = train_mode and any(
@@ -223,7 +227,7 @@ def objective(model: ModelProto, loss: str | GraphProto | Callable, output: str 
         return Objective(graph, output, prediction, None, statistics, fresh)
     loss_name = fresh("loss")
     if isinstance(loss, str):
-        build = BUILT_IN[loss] if ignore_index is None else partial(cross_entropy, ignore_index=ignore_index)
+        build = BUILT_IN[loss] if ignore_index is None else partial(BUILT_IN[loss], ignore_index=ignore_index)
         loss_nodes, loss_initializers = build(prediction, label, loss_name, fresh)
         graph.input.append(label_input(loss, outputs[output], label))
     else:
@@ -241,7 +245,8 @@ def _check_ignore_index(loss: str | GraphProto | Callable, ignore_index: int | N
         return
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise InputError(f"ignore_index={ignore_index!r} must be an int (e.g. -100, as in torch), or None")
-    if not isinstance(loss, str) or loss != "cross_entropy":
+    if not isinstance(loss, str) or loss not in CLASS_INDEX_LOSSES:
         shown = loss if isinstance(loss, str) else type(loss).__name__
-        raise InputError(f"ignore_index={ignore_index} applies to loss='cross_entropy' only, not {shown!r}; "
+        raise InputError(f"ignore_index={ignore_index} applies to loss='cross_entropy' or 'causal_lm' only, "
+                         f"not {shown!r}; "
                          "leave it out, or write the loss as a graph that skips those labels")

@@ -124,7 +124,7 @@ def test_the_ignore_index_attribute_is_the_standard_one():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"loss": "mse", "ignore_index": -100}, "applies to loss='cross_entropy' only, not 'mse'"),
+    ({"loss": "mse", "ignore_index": -100}, "applies to loss='cross_entropy' or 'causal_lm' only, not 'mse'"),
     ({"loss": "cross_entropy", "ignore_index": "-100"}, "must be an int"),
     ({"loss": "cross_entropy", "ignore_index": True}, "must be an int"),
 ])
