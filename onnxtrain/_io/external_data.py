@@ -10,7 +10,8 @@ met on the way is read and followed by this module only while it stays
 inside the folder. No name is looked up twice, so nothing can be swapped
 between a check and an open. The file reached must be a regular file, and
 every declared size is checked against it and the tensor's dims before a
-byte is read.
+byte is read. The values are then read into the tensor, or the file reached is
+mapped read-only (mapped.py), which load_model does by default.
 """
 
 from __future__ import annotations

@@ -279,3 +279,23 @@ def test_export_load_round_trip_keeps_frozen_and_trained_values(model_path, tmp_
     np.testing.assert_array_equal(tensor_to_numpy(initializer(reloaded, "B")), trained)
     served = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
     np.testing.assert_allclose(np.asarray(tuner.infer({"X": x})["Y"]), served, rtol=1e-6, atol=1e-6)
+
+
+def test_a_training_model_keeps_its_frozen_weights_mapped(model_path, tmp_path):
+    """make_training_model, save, Trainer: W stays a view of a map, and one SGD step moves B by
+    the hand-derived gradient of the mse (2/(N*8) times the column sums of the residual)."""
+    training = onnxtrain.make_training_model(model_path, loss="mse", optimizer=onnxtrain.optim.SGD(lr=0.1),
+                                             trainable=["B"])
+    assert mapped.is_mapped(initializer(training, "W"))
+    path = tmp_path / "training" / "model.onnx"
+    path.parent.mkdir()
+    save_model(training, path, external_data=True, size_threshold=0)
+    model = load_model(path)
+    whole = the_map(initializer(model, "W"))
+    trainer = onnxtrain.Trainer(model)
+    assert "W" not in trainer.state_names
+    assert inside(trainer._runners[0].step.constants["W"].unsafe_buffer_pointer(), whole)
+    x, y = RNG.standard_normal((5, 4)).astype(np.float32), RNG.standard_normal((5, 8)).astype(np.float32)
+    trainer.step({"X": x, "labels": y})
+    expected = B - 0.1 * 2 / y.size * (x @ W + B - y).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(trainer.state["B"]), expected, rtol=1e-5, atol=1e-6)
