@@ -289,6 +289,7 @@ def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto
         for tensor, where in iter_tensors(model)
         if tensor.data_type != TensorProto.STRING
         and not tensor.HasField("segment")
+        and not uses_external_data(tensor)
         and _payload_size(tensor) >= threshold
     ]
 
@@ -414,6 +415,7 @@ def save_model(
     external_data: bool | str | None = None,
     *,
     size_threshold: int = 1024,
+    keep_references: bool = False,
 ) -> None:
     """Write `model` to `path` atomically.
 
@@ -429,6 +431,9 @@ def save_model(
             load_model (and ONNX Runtime) can map it in place; values load_model mapped are
             written straight from their map.
         size_threshold: the smallest tensor, in bytes, moved to the side file.
+        keep_references: tensors that still refer to external data are written as such
+            references (an adapter export pointing at its base model's side file) instead of
+            being refused.
 
     Raises:
         ExportError: the folder does not exist, the file cannot be written, or the model
@@ -443,7 +448,8 @@ def save_model(
     path = Path(path)
     if not path.parent.is_dir():
         raise ExportError(f"cannot save to {path}: folder {path.parent} does not exist")
-    _refuse_unloaded_external_data(model)
+    if not keep_references:
+        _refuse_unloaded_external_data(model)
     if external_data is None:
         external_data = _inline_size(model) > PROTOBUF_LIMIT
     location = _side_file_name(path, external_data) if external_data is not False else None
