@@ -283,13 +283,14 @@ def _refuse_unloaded_external_data(model: ModelProto) -> None:
 
 
 def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto, str]]:
-    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes."""
+    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes, and
+    holding their values (inline, or mapped by load_model), not references kept as such."""
     return [
         (tensor, where)
         for tensor, where in iter_tensors(model)
         if tensor.data_type != TensorProto.STRING
         and not tensor.HasField("segment")
-        and not uses_external_data(tensor)
+        and (mapped.is_mapped(tensor) or not uses_external_data(tensor))
         and _payload_size(tensor) >= threshold
     ]
 
