@@ -9,10 +9,10 @@ weights; by default 14 layers of width 2048 and a vocabulary of 100, about 2.8 G
 weights), is exported once with torch.onnx.export(dynamo=True, external_data=True) in its own
 process and cached in --folder. A fresh process then fine-tunes it with onnxtrain.finetune and
 optax.adam on a fixed batch of token ids (next-token cross-entropy) for a few steps. Only a
-little trains: by default the LayerNorm scales and biases, a stand-in for adapters; the
-other weights stay frozen, as graph constants viewed in the read-only map of the side file
-(--adapters lora trains onnxtrain.LoRA adapters instead, once onnxtrain has them). The child
-reports its peak RSS (resource.getrusage), which counts the mapped file's pages it touched.
+little trains: by default LoRA adapters (onnxtrain.LoRA, rank 8, alpha 16, on every linear
+layer), or with --adapters none the LayerNorm scales and biases; the base weights stay
+frozen, as graph constants viewed in the read-only map of the side file. The child reports
+its peak RSS (resource.getrusage), which counts the mapped file's pages it touched.
 
 The activation estimate counts what the backward pass keeps per layer and token: about 17
 hidden-width vectors and 2.5 attention rows per head (the count of Korthikanti et al.,
@@ -21,7 +21,7 @@ logits three times (the logits, their softmax and its gradient).
 
 Usage: python bench/large_model.py [--folder /tmp/onnxtrain-large-model] [--layers 14]
            [--width 2048] [--heads 16] [--batch 2] [--sequence 32] [--steps 4]
-           [--adapters none|lora] [--read] [--build-only]
+           [--adapters lora|none] [--read] [--build-only]
 --read also fine-tunes a copy whose side-file values were read into the message
 (load_model(map_external_data=False)), for comparison.
 """
@@ -85,7 +85,6 @@ baseline = peak()
 started = time.perf_counter()
 model = onnxtrain.load_model(path, map_external_data=False) if read == "read" else path
 if adapters == "lora":
-    # Switch: LoRA adapters where onnxtrain has them (issue 35, part A).
     tuner = onnxtrain.finetune(model, loss, optax.adam(1e-3), adapters=onnxtrain.LoRA(rank=8, alpha=16))
 else:
     tuner = onnxtrain.finetune(model, loss, optax.adam(1e-3),
@@ -136,7 +135,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--sequence", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--adapters", choices=("none", "lora"), default="none")
+    parser.add_argument("--adapters", choices=("lora", "none"), default="lora",
+                        help="what trains: LoRA adapters, or (none) the LayerNorm parameters")
     parser.add_argument("--read", action="store_true")
     parser.add_argument("--build-only", action="store_true", help="export the model (if not cached) and stop")
     arguments = parser.parse_args()

@@ -15,14 +15,14 @@ so it peaks at least at the state plus the gradients: 4/3 of the state with
 Adam, above the target. Takes ~2 minutes and ~0.5 GB of disk space in a
 temporary folder.
 
-Adapter-style rows train only a little on the same model: each layer gains a bias
-(an Add after its MatMul) and only the biases train (as BitFit does), or, with
---adapters lora, LoRA adapters (onnxtrain.LoRA, where onnxtrain has it). The
-frozen weights are constants viewed in the read-only map of the side file, so
-the target there is the weights' bytes plus the trainable state and its slots
-plus activations, at most 1.2x (issue 35).
+Adapter-style rows train only a little on the same model: LoRA adapters
+(onnxtrain.LoRA, rank 8), or, with --adapters bias, a bias each layer gains (an
+Add after its MatMul) and nothing else (as BitFit does). The frozen weights are
+constants viewed in the read-only map of the side file, so the target there is
+the weights' bytes plus the trainable state and its slots plus activations, at
+most 1.2x (issue 35).
 
-Usage: python bench/memory.py [--layers 10] [--width 3162] [--adapters bias|lora]
+Usage: python bench/memory.py [--layers 10] [--width 3162] [--adapters lora|bias]
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ options = {}
 if kind == "bias":
     options["trainable"] = [f"b{i}" for i in range(layers)]
 elif kind == "lora":
-    # Switch: LoRA adapters where onnxtrain has them (issue 35, part A).
     options["adapters"] = onnxtrain.LoRA(rank=8, alpha=16)
 training = onnxtrain.make_training_model(model.SerializeToString(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=1e-4),
                                          **options)
@@ -91,7 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--width", type=int, default=3162)
-    parser.add_argument("--adapters", choices=("bias", "lora"), default="bias",
+    parser.add_argument("--adapters", choices=("lora", "bias"), default="lora",
                         help="what trains in the adapter-style rows")
     arguments = parser.parse_args()
     environment = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}

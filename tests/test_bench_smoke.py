@@ -90,7 +90,7 @@ def test_memory_benchmark_runs_every_policy_and_entry_point_on_a_tiny_model():
     assert all("(peak - baseline) / (state + activations) = " in row for row in rows)
     adapted = [line for line in done.stdout.splitlines() if line.startswith("adapter-style")]
     assert [row.split(":")[0] for row in adapted] == [
-        f"adapter-style (biases train, weights frozen), {run}"
+        f"adapter-style (LoRA adapters train, weights frozen), {run}"
         for run in ("3 Trainer.step calls", "fit(8 batches, steps_per_call=4)")], done.stdout
     assert all("(peak - baseline) / (weights + state + activations) = " in row for row in adapted)
 
