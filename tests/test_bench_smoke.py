@@ -88,6 +88,24 @@ def test_memory_benchmark_runs_every_policy_and_entry_point_on_a_tiny_model():
         f"nan_policy={policy!r}, {run}" for policy in ("ignore", "raise")
         for run in ("3 Trainer.step calls", "fit(8 batches, steps_per_call=4)")], done.stdout
     assert all("(peak - baseline) / (state + activations) = " in row for row in rows)
+    adapted = [line for line in done.stdout.splitlines() if line.startswith("adapter-style")]
+    assert [row.split(":")[0] for row in adapted] == [
+        f"adapter-style (LoRA adapters train, weights frozen), {run}"
+        for run in ("3 Trainer.step calls", "fit(8 batches, steps_per_call=4)")], done.stdout
+    assert all("(peak - baseline) / (weights + state + activations) = " in row for row in adapted)
+
+
+@pytest.mark.slow
+def test_large_model_benchmark_runs_on_a_tiny_export(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "large_model.py"), "--folder", str(tmp_path),
+                           "--layers", "1", "--width", "64", "--heads", "2", "--steps", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.glob("*.onnx.data")), "the export keeps its weights in a side file"
+    assert "side file mapped: load " in done.stdout and "first step " in done.stdout, done.stdout
+    assert "peak RSS / (file + state + activations) = " in done.stdout, done.stdout
 
 
 @pytest.mark.slow

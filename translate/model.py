@@ -120,7 +120,9 @@ class TranslatedModel:
         if unknown:
             raise InputError(f"params {unknown} are not initializers of the model")
         with jax.enable_x64(True):
-            self.params = {name: jax.numpy.asarray(decoded[name]) for name in params
+            # device_put, not jnp.asarray (which copies): on CPU it uses an aligned host array
+            # in place, so a weight load_model mapped stays a view of its file.
+            self.params = {name: jax.device_put(decoded[name]) for name in params
                            if name not in self.supplied}
         constants = {n: v for n, v in decoded.items() if n not in self.params}
         self.plan = translator.plan(model.graph, constants)

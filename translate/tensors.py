@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from onnxtrain._io import mapped
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.proto import TensorProto
 
@@ -268,33 +269,41 @@ def _decode_string(value: bytes) -> str | bytes:
 def tensor_to_numpy(tensor: TensorProto, where: str | None = None) -> np.ndarray:
     """The values of an in-memory TensorProto as a numpy array of its dims.
 
-    Arrays decoded from raw_data are read-only views of the message's bytes.
+    Arrays decoded from raw_data are read-only views of the message's bytes, and those of
+    tensors load_model mapped are read-only views of their side file (see _io/mapped.py).
     Strings decode to `str` where they are valid UTF-8 and stay `bytes`
     otherwise. External tensors must be loaded first (load_model does that).
     """
     where = where or f"tensor {tensor.name!r}"
+    stored: bytes | np.ndarray | None = None
     if tensor.data_location == TensorProto.EXTERNAL:
-        raise ModelLoadError(
-            f"{where}: values are in an external file that was not loaded; "
-            f"load the model with onnxtrain.load_model from its path."
-        )
+        if not mapped.is_mapped(tensor):
+            raise ModelLoadError(
+                f"{where}: values are in an external file that was not loaded; "
+                f"load the model with onnxtrain.load_model from its path."
+            )
+        element = element_type(tensor.data_type, where)
+        mapped.check(tensor, raw_size(element, element_count(tensor, where)), where)
+        stored = mapped.payload(tensor, where)
     if tensor.HasField("segment"):
         raise ModelLoadError(f"{where}: segmented tensors are not supported; merge the segments.")
     check_tensor_data(tensor, where)
     element = ELEMENT_TYPES[tensor.data_type]
     dims = tuple(tensor.dims)
     count = math.prod(dims)
+    if stored is None and tensor.HasField("raw_data"):
+        stored = tensor.raw_data
 
     if element.code == TensorProto.STRING:
         strings = np.empty(count, dtype=object)
         strings[:] = [_decode_string(s) for s in tensor.string_data]
         return strings.reshape(dims)
 
-    if tensor.HasField("raw_data"):
+    if stored is not None:
         if element.packed:
-            codes = _unpack_bits(np.frombuffer(tensor.raw_data, dtype=np.uint8), element.bits, count)
+            codes = _unpack_bits(np.frombuffer(stored, dtype=np.uint8), element.bits, count)
             return codes.view(element.dtype).reshape(dims)
-        return _from_little_endian(tensor.raw_data, element.dtype).reshape(dims)
+        return _from_little_endian(stored, element.dtype).reshape(dims)
 
     typed = getattr(tensor, element.field)
     if element.field == "int32_data" and element.code != TensorProto.INT32:

@@ -10,7 +10,8 @@ met on the way is read and followed by this module only while it stays
 inside the folder. No name is looked up twice, so nothing can be swapped
 between a check and an open. The file reached must be a regular file, and
 every declared size is checked against it and the tensor's dims before a
-byte is read.
+byte is read. The values are then read into the tensor, or the file reached is
+mapped read-only (mapped.py), which load_model does by default.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from onnxtrain._io import mapped
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.proto import StringStringEntryProto, TensorProto
 from onnxtrain.translate.tensors import element_count, element_type, raw_size
@@ -115,9 +117,12 @@ def external_ref(tensor: TensorProto, where: str) -> ExternalRef:
     entries = {_text(entry.key, where): _text(entry.value, where) for entry in tensor.external_data}
     unknown = sorted(set(entries) - _KNOWN_KEYS)
     if unknown:
+        hint = (f" ({mapped.MAP_KEY!r} marks a tensor mapped in memory by onnxtrain.load_model and "
+                f"means nothing in a file: save models with onnxtrain.save_model)"
+                if mapped.MAP_KEY in unknown else "")
         raise ModelLoadError(
             f"{where}: unknown external_data keys {unknown}; expected location, offset, "
-            f"length, checksum"
+            f"length, checksum{hint}"
         )
     if not entries.get("location"):
         raise ModelLoadError(f"{where}: data_location is EXTERNAL but no external_data location")
@@ -409,8 +414,13 @@ class ExternalDataReader:
             self._root_names = [[p for p in s.split("/") if p not in ("", ".")] for s in spellings]
         return self._root_fd
 
-    def _open(self, location: str, where: str) -> int:
-        """The cached descriptor of the regular file `location` leads to."""
+    def open_location(self, location: str, where: str) -> int:
+        """The descriptor (cached; the reader closes it) of the regular file `location` leads to,
+        after every check of the walk.
+
+        Raises:
+            ModelLoadError: the location leaves the folder or does not lead to a regular file.
+        """
         check_location(location, where)
         if WALK_BY_DESCRIPTOR:
             descriptor = _open_walking(self._root(where), self._root_names, location, where)
@@ -427,8 +437,9 @@ class ExternalDataReader:
             self._files[identity] = descriptor
         return self._files[identity]
 
-    def read(self, tensor: TensorProto, where: str) -> bytes:
-        """The tensor's raw bytes from its side file, after every size check.
+    def locate(self, tensor: TensorProto, where: str) -> tuple[int, ExternalRef, int]:
+        """(descriptor of the side file, the parsed reference, the byte length) of an external
+        tensor, after every check but the checksum; nothing is read.
 
         Raises:
             ModelLoadError: no base folder, a location that leaves the folder or
@@ -442,7 +453,7 @@ class ExternalDataReader:
         ref = external_ref(tensor, where)
         element = element_type(tensor.data_type, where)
         needed = raw_size(element, element_count(tensor, where))
-        descriptor = self._open(ref.location, where)
+        descriptor = self.open_location(ref.location, where)
         file_size = os.fstat(descriptor).st_size
         length = file_size - ref.offset if ref.length is None else ref.length
         if ref.offset + length > file_size or length < 0:
@@ -456,27 +467,84 @@ class ExternalDataReader:
                 f"{where}: external data length {length} bytes disagrees with dims "
                 f"{list(tensor.dims)} of {element.name}, which need {needed} bytes"
             )
+        return descriptor, ref, length
+
+    def read(self, tensor: TensorProto, where: str) -> bytes:
+        """The tensor's raw bytes from its side file, after every check (see locate).
+
+        Raises:
+            ModelLoadError: as locate, or a checksum that disagrees.
+        """
+        descriptor, ref, length = self.locate(tensor, where)
         data = _read_exactly(descriptor, ref.offset, length, ref.location, where)
-        if ref.checksum and hashlib.sha1(data).hexdigest() != ref.checksum.lower():
-            raise ModelLoadError(
-                f"{where}: external data in {_shown(ref.location)} fails its SHA-1 checksum; "
-                f"the side file was changed after the model was written"
-            )
+        _check_sum(data, ref, where)
         return data
+
+    def map(self, tensor: TensorProto, where: str, held: dict[str, object]) -> None:
+        """Point the tensor at a read-only map of its side file (see mapped.py) instead of reading
+        it, after every check of read(); `held` keeps each file's map alive by token while the
+        caller maps the model's tensors, so each file is mapped once.
+
+        Raises:
+            ModelLoadError: as read().
+        """
+        descriptor, ref, length = self.locate(tensor, where)
+        if not length:
+            # Nothing to map (and an empty file cannot be mapped).
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")
+            tensor.raw_data = b""
+            return
+        token, mapping = mapped.register(self.base_dir, ref.location, descriptor)
+        held[token] = mapping
+        if ref.checksum:
+            with memoryview(mapping) as whole, whole[ref.offset:ref.offset + length] as values:
+                _check_sum(values, ref, where)
+        mapped.mark(tensor, token, ref.location, ref.offset, length)
+
+
+def _check_sum(data: bytes | memoryview, ref: ExternalRef, where: str) -> None:
+    if ref.checksum and hashlib.sha1(data).hexdigest() != ref.checksum.lower():
+        raise ModelLoadError(
+            f"{where}: external data in {_shown(ref.location)} fails its SHA-1 checksum; "
+            f"the side file was changed after the model was written"
+        )
 
 
 def load_external_tensors(
-    tensors: Iterable[tuple[TensorProto, str]], base_dir: Path | None
+    tensors: Iterable[tuple[TensorProto, str]], base_dir: Path | None, mapping: bool = False,
+    trusted: bool = False,
 ) -> None:
-    """Move the values of every external tensor into its raw_data.
+    """Make the values of every external tensor available: read into its raw_data, or with
+    `mapping`, viewed in a read-only map of its side file (see mapped.py).
+
+    Args:
+        tensors: (tensor, where) pairs, e.g. from proto.walk.iter_tensors.
+        base_dir: the model's folder, under which every location must stay.
+        mapping: map side files instead of reading them.
+        trusted: the tensors come from a message this process built, whose mapped tensors
+            (from an earlier load) stay mapped, or are read into raw_data without `mapping`;
+            a serialized model's private map entries are refused as unknown keys.
 
     Raises:
         ModelLoadError: a tensor's side file cannot be read safely or disagrees
             with the tensor (see ExternalDataReader.read).
     """
+    held: dict[str, object] = {}
     with ExternalDataReader(base_dir) as reader:
         for tensor, where in tensors:
-            if uses_external_data(tensor):
+            if not uses_external_data(tensor):
+                continue
+            if trusted and mapped.is_mapped(tensor):
+                element = element_type(tensor.data_type, where)
+                mapped.check(tensor, raw_size(element, element_count(tensor, where)), where)
+                if not mapping:
+                    tensor.raw_data = mapped.raw_view(tensor, where).tobytes()
+                    del tensor.external_data[:]
+                    tensor.ClearField("data_location")
+            elif mapping:
+                reader.map(tensor, where, held)
+            else:
                 tensor.raw_data = reader.read(tensor, where)
                 del tensor.external_data[:]
                 tensor.ClearField("data_location")

@@ -2,11 +2,12 @@
 
 load_model accepts a path, bytes, a binary file object or any message with
 SerializeToString (an `onnx.ModelProto`, say), resolves external data from the
-model's folder, and checks every tensor's size against its dims, so a model
-that loads is one whose bytes can be trusted. save_model writes atomically
-(a temporary file, then a rename: onnxtrain.state.atomic) and moves large
-tensors to a side file when asked, or when the model would not fit in one
-protobuf message (2 GiB).
+model's folder (mapping side files read-only, see mapped.py), and checks every
+tensor's size against its dims, so a model that loads is one whose bytes can be
+trusted. save_model writes atomically (a temporary file, then a rename:
+onnxtrain.state.atomic) and moves large tensors to a side file, at aligned
+offsets, when asked, or when the model would not fit in one protobuf message
+(2 GiB); mapped values are streamed from their map into it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import BinaryIO, Union
 from google.protobuf.message import DecodeError, EncodeError
 
 from onnxtrain.errors import ExportError, ModelLoadError
+from onnxtrain._io import mapped
 from onnxtrain._io.external_data import load_external_tensors, mark_external, uses_external_data
 from onnxtrain.proto import ModelProto, TensorProto
 from onnxtrain.proto.walk import iter_tensors
 from onnxtrain.state import atomic
+from onnxtrain.state.memory import ALIGNMENT
 from onnxtrain.translate.tensors import (
     ELEMENT_TYPES,
     array_bytes,
@@ -37,6 +40,14 @@ from onnxtrain.translate.tensors import (
 
 # Protobuf refuses to parse or serialize a message of 2 GiB or more.
 PROTOBUF_LIMIT = 2**31 - 1
+
+# Where a side file puts each tensor: at a multiple of SIDE_FILE_ALIGNMENT, so that a map of the
+# file gives JAX on CPU arrays it uses in place (see state/memory.py); a tensor of at least
+# LARGE_TENSOR_BYTES at a multiple of LARGE_TENSOR_ALIGNMENT, the allocation granularity ONNX
+# Runtime needs to map a tensor on every system it runs on (Windows' is the largest).
+SIDE_FILE_ALIGNMENT = ALIGNMENT
+LARGE_TENSOR_ALIGNMENT = 65536
+LARGE_TENSOR_BYTES = 2**20
 
 # upb's parse depth: every message level counts, and upb cannot be told to allow more.
 PROTOBUF_DEPTH_LIMIT = 100
@@ -172,8 +183,16 @@ def load_model(
     *,
     base_dir: str | os.PathLike | None = None,
     load_external_data: bool = True,
+    map_external_data: bool = True,
 ) -> ModelProto:
     """Load an ONNX model as an onnxtrain.proto.ModelProto.
+
+    Tensors kept in side files (external data) are checked and then mapped read-only rather
+    than read: the message keeps a reference to the map (an entry only onnxtrain reads, see
+    onnxtrain/_io/mapped.py), onnxtrain decodes them as views of the file, and save_model
+    writes them out again. So a model past protobuf's 2 GiB limit costs its side file's bytes
+    once, in the page cache. The side files must not be rewritten in place while the model
+    is in use (replacing them, as save_model does, is fine).
 
     Args:
         source: a path, bytes, a binary file object, an onnx.ModelProto or ours.
@@ -182,6 +201,9 @@ def load_model(
             side files.
         load_external_data: False keeps side-file tensors as references (their sizes are
             not checked).
+        map_external_data: False reads side-file values into the tensors' raw_data (as
+            other ONNX tools expect of a message), for a folder that may change while the
+            model is used, or a message handed to another tool as bytes.
 
     Returns:
         The model (a copy when `source` is a message).
@@ -195,7 +217,9 @@ def load_model(
     Example:
         >>> model = onnxtrain.load_model("model.onnx")
     """
-    if isinstance(source, ModelProto):
+    # Only a message this process holds may carry the private entries of mapped tensors.
+    trusted = isinstance(source, ModelProto)
+    if trusted:
         # Copied, not serialized: an in-memory model may be past protobuf's 2 GiB limit.
         model, described, folder = ModelProto(), "in-memory model", None
         model.CopyFrom(source)
@@ -206,7 +230,7 @@ def load_model(
         folder = Path(base_dir)
     if load_external_data:
         located = ((tensor, f"{described}: {where}") for tensor, where in iter_tensors(model))
-        load_external_tensors(located, folder)
+        load_external_tensors(located, folder, mapping=map_external_data, trusted=trusted)
     for tensor, where in iter_tensors(model):
         check_tensor_data(tensor, f"{described}: {where}")
     return model
@@ -220,8 +244,11 @@ def _as_model(model: object) -> ModelProto:
     raise ExportError(f"cannot save a {type(model).__name__}; pass a ModelProto")
 
 
-def _stored_bytes(tensor: TensorProto, where: str) -> bytes:
-    """A tensor's values in raw_data encoding, whichever field holds them."""
+def _stored_bytes(tensor: TensorProto, where: str) -> bytes | memoryview:
+    """A tensor's values in raw_data encoding, whichever field holds them; a mapped tensor's
+    are a view of its map, so writing them streams from the file without a copy."""
+    if mapped.is_mapped(tensor):
+        return mapped.raw_view(tensor, where)
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return array_bytes(tensor_to_numpy(tensor, where))
@@ -235,17 +262,20 @@ def _payload_size(tensor: TensorProto) -> int:
     return raw_size(element, math.prod(tensor.dims))
 
 
-def _fits_in_one_message(model: ModelProto) -> bool:
-    """Whether protobuf can serialize the model (its ByteSize itself fails past 2 GiB)."""
+def _inline_size(model: ModelProto) -> int:
+    """The model's serialized size with every mapped tensor's values inline (an upper bound:
+    their references are counted too); more than PROTOBUF_LIMIT where protobuf cannot tell."""
     try:
-        return model.ByteSize() <= PROTOBUF_LIMIT
+        size = model.ByteSize()
     except EncodeError:
-        return False
+        return PROTOBUF_LIMIT + 1
+    return size + sum(mapped.stored_length(tensor, where)
+                      for tensor, where in mapped.mapped_tensors(iter_tensors(model)))
 
 
 def _refuse_unloaded_external_data(model: ModelProto) -> None:
     for tensor, where in iter_tensors(model):
-        if uses_external_data(tensor):
+        if uses_external_data(tensor) and not mapped.is_mapped(tensor):
             raise ExportError(
                 f"{where}: still refers to external data that was never loaded; load the "
                 f"model with load_external_data=True before saving it"
@@ -253,30 +283,68 @@ def _refuse_unloaded_external_data(model: ModelProto) -> None:
 
 
 def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto, str]]:
-    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes."""
+    """The tensors to move to a side file: numeric, whole, at least `threshold` bytes, and
+    holding their values (inline, or mapped by load_model), not references kept as such."""
     return [
         (tensor, where)
         for tensor, where in iter_tensors(model)
         if tensor.data_type != TensorProto.STRING
         and not tensor.HasField("segment")
-        and not uses_external_data(tensor)
+        and (mapped.is_mapped(tensor) or not uses_external_data(tensor))
         and _payload_size(tensor) >= threshold
     ]
 
 
+@contextmanager
+def _inlined(model: ModelProto) -> Iterator[None]:
+    """The model's mapped tensors hold their values in raw_data inside the block, and their
+    map references again after it."""
+    originals: list[tuple[TensorProto, TensorProto]] = []
+    try:
+        for tensor, where in mapped.mapped_tensors(iter_tensors(model)):
+            original = TensorProto()
+            original.CopyFrom(tensor)
+            with mapped.raw_view(tensor, where) as view:
+                values = bytes(view)
+            originals.append((tensor, original))
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")
+            tensor.raw_data = values
+        yield
+    finally:
+        for tensor, original in originals:
+            tensor.CopyFrom(original)
+
+
 def _serialize(model: ModelProto) -> bytes:
-    if not _fits_in_one_message(model):
+    # Checked before mapped values are copied in: a model too big for one message is refused
+    # without first building it.
+    if _inline_size(model) > PROTOBUF_LIMIT:
         raise ExportError(
             "model is over protobuf's 2 GiB limit for one message; save it with "
             "external_data=True or None, and a lower size_threshold if it is still too big"
         )
-    return model.SerializeToString()
+    with _inlined(model):
+        return model.SerializeToString()
 
 
-def _write_all(handle: io.FileIO, data: bytes) -> None:
+def _write_all(handle: io.FileIO, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[handle.write(view):]
+
+
+def _alignment(size: int) -> int:
+    return LARGE_TENSOR_ALIGNMENT if size >= LARGE_TENSOR_BYTES else SIDE_FILE_ALIGNMENT
+
+
+def _aligned_offset(handle: io.FileIO, size: int) -> int:
+    """Pad the side file to where a tensor of `size` bytes starts; that offset."""
+    offset = handle.tell()
+    padding = -offset % _alignment(size)
+    if padding:
+        _write_all(handle, bytes(padding))
+    return offset + padding
 
 
 def _read_exactly(descriptor: int, length: int, offset: int) -> bytes:
@@ -295,12 +363,13 @@ def _read_exactly(descriptor: int, length: int, offset: int) -> bytes:
 def _moved_to_side_file(
     tensors: list[tuple[TensorProto, str]], side_file: Path, location: str
 ) -> Iterator[None]:
-    """Write the tensors' values to side_file and point the tensors at it.
+    """Write the tensors' values to side_file, each at an aligned offset (see
+    SIDE_FILE_ALIGNMENT), and point the tensors at it.
 
     On exit, whatever happened, every tensor gets its values back: raw_data is
     read back from the side file (so the model is never held twice in memory),
-    tensors that used typed fields are restored from a copy. Writes are
-    unbuffered, so a tensor is marked only once its bytes reached the file.
+    tensors that used typed fields or were mapped are restored from a copy. Writes
+    are unbuffered, so a tensor is marked only once its bytes reached the file.
     """
     moved: list[tuple[TensorProto, int, int, TensorProto | None]] = []
     with open(side_file, "w+b", buffering=0) as side:
@@ -311,10 +380,12 @@ def _moved_to_side_file(
                 if not tensor.HasField("raw_data"):
                     original = TensorProto()
                     original.CopyFrom(tensor)
-                offset = side.tell()
+                offset = _aligned_offset(side, len(data))
                 _write_all(side, data)
-                mark_external(tensor, location, offset, len(data))
-                moved.append((tensor, offset, len(data), original))
+                length = len(data)
+                del data   # a mapped tensor's view holds its map
+                mark_external(tensor, location, offset, length)
+                moved.append((tensor, offset, length, original))
             os.fsync(side.fileno())
             yield
         finally:
@@ -356,7 +427,10 @@ def save_model(
             protobuf's 2 GiB limit, in which case it behaves like True; True writes every
             tensor of at least `size_threshold` bytes (in any graph, training graphs
             included) to `<file name>.data` beside the model; a string names that side file
-            instead; False never writes one.
+            instead; False never writes one. Each tensor starts at an aligned offset of the
+            side file (SIDE_FILE_ALIGNMENT; LARGE_TENSOR_ALIGNMENT for large ones), so
+            load_model (and ONNX Runtime) can map it in place; values load_model mapped are
+            written straight from their map.
         size_threshold: the smallest tensor, in bytes, moved to the side file.
         keep_references: tensors that still refer to external data are written as such
             references (an adapter export pointing at its base model's side file) instead of
@@ -365,6 +439,8 @@ def save_model(
     Raises:
         ExportError: the folder does not exist, the file cannot be written, or the model
             passes 2 GiB with external_data=False.
+        ModelLoadError: a mapped tensor's side file was replaced or changed since the
+            model was loaded (see load_model).
 
     Example:
         >>> onnxtrain.save_model(training_model, "model.training.onnx")
@@ -376,7 +452,7 @@ def save_model(
     if not keep_references:
         _refuse_unloaded_external_data(model)
     if external_data is None:
-        external_data = not _fits_in_one_message(model)
+        external_data = _inline_size(model) > PROTOBUF_LIMIT
     location = _side_file_name(path, external_data) if external_data is not False else None
     moving = _externalizable(model, size_threshold) if location else []
     side_file = path.parent / location if moving else None

@@ -25,6 +25,7 @@ from onnx import helper
 import onnxtrain._io.external_data as external_data
 from onnxtrain import ModelLoadError, load_model
 from onnxtrain.proto import ModelProto
+from onnxtrain.translate.tensors import tensor_to_numpy
 from support.fuzz_mutations import nested_ifs, mlp_model
 
 WEIGHTS = np.arange(12, dtype=np.float32).tobytes()
@@ -102,21 +103,32 @@ def save(folder: Path, location: str, **entries: str) -> Path:
     return path
 
 
+def stored(model: ModelProto) -> bytes:
+    """W's values as bytes, whether load_model mapped its side file or read it."""
+    return tensor_to_numpy(model.graph.initializer[0]).tobytes()
+
+
 def loads_weights(folder: Path, location: str, **entries: str) -> None:
+    """Both ways of loading reach the file inside the folder: mapping it, and reading it."""
+    path = save(folder, location, **entries)
     with no_hang():
-        loaded = load_model(save(folder, location, **entries))
-    assert loaded.graph.initializer[0].raw_data == WEIGHTS
+        mapped, read = load_model(path), load_model(path, map_external_data=False)
+    assert stored(mapped) == WEIGHTS
+    assert read.graph.initializer[0].raw_data == WEIGHTS
 
 
-def refused(folder: Path, location: str | None, *patterns: str, **entries: str) -> str:
-    """Load, expecting a ModelLoadError naming W, the location (start, unless None) and `patterns`."""
+def refused(folder: Path, location: str | None, *patterns: str, mappings: tuple[bool, ...] = (True, False),
+            **entries: str) -> str:
+    """Load, expecting a ModelLoadError naming W, the location (start, unless None) and `patterns`,
+    both when mapping the side file and when reading it (`mappings`)."""
     path = save(folder, location or "real.bin", **entries)
-    with pytest.raises(ModelLoadError) as caught, no_hang():
-        load_model(path)
-    message = str(caught.value)
-    for pattern in ("initializer 'W'", *([repr(location)[:40]] if location else []), *patterns):
-        assert pattern in message, f"{pattern!r} not in {message!r}"
-    assert caught.value.__cause__ is None
+    for mapping in mappings:
+        with pytest.raises(ModelLoadError) as caught, no_hang():
+            load_model(path, map_external_data=mapping)
+        message = str(caught.value)
+        for pattern in ("initializer 'W'", *([repr(location)[:40]] if location else []), *patterns):
+            assert pattern in message, f"{pattern!r} not in {message!r}"
+        assert caught.value.__cause__ is None
     return message
 
 
@@ -158,7 +170,7 @@ def test_absolute_link_through_an_unresolved_spelling_of_the_folder(tmp_path, fo
     os.symlink(tmp_path / "alias" / "real.bin", folder / "w.bin")
     path = save(folder, "w.bin")
     loaded = load_model(path.read_bytes(), base_dir=tmp_path / "alias")
-    assert loaded.graph.initializer[0].raw_data == WEIGHTS
+    assert stored(loaded) == WEIGHTS
 
 
 @posix_only
@@ -394,7 +406,7 @@ def test_the_by_name_fallback_catches_a_swap_between_check_and_open(folder, monk
     (folder / "other.bin").write_bytes(OUTSIDE)
     monkeypatch.setattr(external_data, "os", SimpleNamespace(**{
         name: getattr(os, name) for name in dir(os) if not name.startswith("__")} | {"open": swapping_open}))
-    refused(folder, "real.bin", "changed while it was being opened")
+    refused(folder, "real.bin", "changed while it was being opened", mappings=(True,))
 
 
 @pytest.mark.parametrize("field", ["location", "offset", "key"])
@@ -422,7 +434,7 @@ def test_offsets_and_lengths_are_ascii_decimal(folder, key, value):
 
 def test_plain_numbers_with_leading_zeros_are_fine(folder):
     loaded = load_model(save(folder, "real.bin", offset="0000", length="048"))
-    assert loaded.graph.initializer[0].raw_data == WEIGHTS
+    assert stored(loaded) == WEIGHTS
 
 
 def test_a_number_no_file_can_reach_is_refused_without_converting_it(folder):
@@ -486,4 +498,4 @@ def test_corrupt_bytes_still_say_corrupt():
 def test_a_side_file_shrinking_during_the_read_is_a_load_error(folder, monkeypatch):
     """Reads are bounded by the length checked against fstat; a short read is not padded."""
     monkeypatch.setattr(external_data.os, "pread", lambda descriptor, length, offset: b"")
-    refused(folder, "real.bin", "shrank while it was being read")
+    refused(folder, "real.bin", "shrank while it was being read", mappings=(False,))

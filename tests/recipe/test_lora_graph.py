@@ -94,6 +94,9 @@ def quantized_model(rng) -> bytes:
 def _ort(model, feeds, exact: bool = False) -> np.ndarray:
     """ONNX Runtime's output; exact: without graph optimizations, which run a DequantizeLinear
     feeding a MatMul as an integer matmul on quantized activations (an approximation)."""
+    if isinstance(model, onnxtrain.proto.ModelProto):
+        # Side-file values load_model mapped go into the message, which ORT gets as bytes.
+        model = onnxtrain.load_model(model, map_external_data=False)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     options = ort.SessionOptions()
     if exact:
