@@ -1,0 +1,149 @@
+"""Training on a weight-only quantized base (ONNX Runtime's quantizer output): the integer
+weights are never trained, never state and never dequantized all at once; the float
+weights that remain train with the gradients torch autograd gives on the weights as
+onnxruntime dequantizes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxtrain
+from support.quantized_models import deep_mlp, dequantized_weights, float_mlp, onnxruntime_outputs, quantized
+
+pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
+optax = pytest.importorskip("optax")
+
+LR = 0.05
+
+
+def _batch(k: int = 40, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((2, 3, k)).astype(np.float32),
+            "labels": rng.standard_normal((2, 3, k)).astype(np.float32)}
+
+
+def _torch_step(weights: list[np.ndarray], biases: dict[str, np.ndarray], batch: dict) -> tuple[float, dict]:
+    """The loss and SGD-updated biases of relu(x @ W1 + b1) @ W2 + b2 under mse, by torch autograd."""
+    torch = pytest.importorskip("torch")
+    w1, w2 = (torch.tensor(w, dtype=torch.float64) for w in weights)
+    b = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in biases.items()}
+    x, labels = (torch.tensor(batch[name], dtype=torch.float64) for name in ("x", "labels"))
+    y = torch.relu(x @ w1 + b["b1"]) @ w2 + b["b2"]
+    loss = ((y - labels) ** 2).mean()
+    loss.backward()
+    return float(loss.detach()), {name: (value - LR * value.grad).detach().numpy() for name, value in b.items()}
+
+
+def _weights(model) -> list[np.ndarray]:
+    """The two MatMul weights as onnxruntime dequantizes them, in graph order."""
+    found = dequantized_weights(model)
+    if found:
+        return list(found.values())
+    # QDQ: DequantizeLinear outputs, read from onnxruntime as extra graph outputs.
+    import onnx
+
+    probe = onnx.ModelProto.FromString(model.SerializeToString())
+    names = [node.output[0] for node in probe.graph.node if node.op_type == "DequantizeLinear"]
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
+    return onnxruntime_outputs(probe, {"x": _batch()["x"]}, optimized=False)[1:]
+
+
+def _initial_biases(model) -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in ("b1", "b2")}
+
+
+QUANTIZATIONS = [pytest.param(8, False, False, id="int8"),
+                 pytest.param(4, True, False, id="int4", marks=pytest.mark.slow),
+                 pytest.param(4, False, True, id="int4-qdq", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("bits, symmetric, qdq", QUANTIZATIONS)
+def test_finetune_trains_only_the_float_weights_like_torch(bits, symmetric, qdq):
+    model = quantized(float_mlp(), bits, symmetric, qdq)
+    tuner = onnxtrain.finetune(model.SerializeToString(), "mse", optax.sgd(LR))
+    assert set(tuner.state_names) == {"b1", "b2"}, "scales, zero points and integer weights never train"
+    integers = [t.name for t in model.graph.initializer if t.data_type not in (1,)]
+    assert integers and not set(integers) & set(tuner._store.values)
+    batch = _batch()
+    loss = float(tuner.step(batch)["loss"])
+    expected_loss, expected = _torch_step(_weights(model), _initial_biases(model), batch)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, value in expected.items():
+        np.testing.assert_allclose(tuner.get_state(name), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, symmetric, qdq", QUANTIZATIONS[:1] + QUANTIZATIONS[2:])
+def test_trainer_recipe_trains_only_the_float_weights_like_torch(bits, symmetric, qdq):
+    """make_training_model's Gradient + SGD recipe on the quantized model."""
+    model = quantized(float_mlp(), bits, symmetric, qdq)
+    training = onnxtrain.make_training_model(model.SerializeToString(), loss="mse",
+                                             optimizer=onnxtrain.optim.SGD(lr=LR))
+    trainer = onnxtrain.Trainer(training)
+    assert {"b1", "b2"} <= set(trainer.state_names)
+    assert not any(name.endswith(("_Q8", "_Q4", "_DQ_Q4", "_scales", "_zero_points")) for name in trainer.state_names)
+    batch = _batch()
+    loss = float(trainer.step(batch)["loss"])
+    expected_loss, expected = _torch_step(_weights(model), _initial_biases(model), batch)
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    for name, value in expected.items():
+        np.testing.assert_allclose(trainer.get_state(name), value, rtol=1e-5, atol=1e-6)
+
+
+def _temp_bytes(trainer, batch) -> int:
+    return trainer.lowered(batch).compile().memory_analysis().temp_size_in_bytes
+
+
+LAYERS, WIDTH, BATCH = 8, 256, 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, qdq", [(8, False), (4, False), (4, True)], ids=["int8", "int4", "int4-qdq"])
+def test_a_quantized_step_dequantizes_one_layer_at_a_time(bits, qdq):
+    """The compiled step's scratch memory stays far below the dequantized model's size: XLA
+    dequantizes each layer where it is used, in the forward and again in the backward pass.
+    It is close to the scratch the float model's step needs with its weights frozen (whose
+    weights are arguments, not scratch)."""
+    model = deep_mlp(LAYERS, WIDTH)
+    float_bytes = LAYERS * WIDTH * WIDTH * 4
+    biases = [f"b{i}" for i in range(LAYERS)]
+    batch = {"x": np.ones((BATCH, WIDTH), np.float32), "labels": np.zeros((BATCH, WIDTH), np.float32)}
+    base = quantized(model, bits, False, qdq, block_size=32).SerializeToString()
+    quantized_tuner = onnxtrain.finetune(base, "mse", optax.sgd(LR), trainable=biases)
+    float_tuner = onnxtrain.finetune(model.SerializeToString(), "mse", optax.sgd(LR), trainable=biases)
+    ours, frozen_float = _temp_bytes(quantized_tuner, batch), _temp_bytes(float_tuner, batch)
+    assert ours < float_bytes / 4, (ours, float_bytes)
+    assert ours < frozen_float + 2 * WIDTH * WIDTH * 4, (ours, frozen_float)
+    # The Trainer's own recipe (Gradient node) too.
+    training = onnxtrain.make_training_model(base, loss="mse", optimizer=onnxtrain.optim.SGD(lr=LR),
+                                             trainable=biases)
+    assert _temp_bytes(onnxtrain.Trainer(training), batch) < float_bytes / 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from support.quantized_models import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "llama.onnx")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, symmetric, qdq", QUANTIZATIONS)
+def test_quantized_llama_infers_like_onnxruntime_and_trains(llama, bits, symmetric, qdq):
+    """A tiny Llama export quantized by onnxruntime: logits as onnxruntime gives them (the
+    QDQ model unfused, see test_quantized_weights), and fine-tuning its float weights (the
+    norms and the embedding) lowers the next-token loss on a fixed batch."""
+    model = quantized(llama, bits, symmetric, qdq)
+    ids = np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)
+    (expected,) = onnxruntime_outputs(model, {"input_ids": ids}, optimized=not qdq)
+    tuner = onnxtrain.finetune(model.SerializeToString(), "cross_entropy", optax.adam(1e-2))
+    logits = np.asarray(tuner.infer({"input_ids": ids})["logits"])
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert not any(name.endswith(("_Q8", "_Q4", "_scales", "_zero_points")) for name in tuner.state_names)
+    batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
+    losses = [float(tuner.step(batch)["loss"]) for _ in range(15)]
+    assert losses[-1] < 0.9 * losses[0], losses
