@@ -90,10 +90,11 @@ for i in range(layers):
 graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
                           [helper.make_tensor_value_info(previous, TensorProto.FLOAT, ["batch", width])], weights)
 model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-onnx.save(model, folder + "/fp32.onnx", save_as_external_data=True, location="fp32.onnx.data")
-quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=128, is_symmetric=True)
+quantizer = MatMulNBitsQuantizer(onnx.ModelProto.FromString(model.SerializeToString()), bits=8, block_size=128,
+                                 is_symmetric=True)
 quantizer.process()
 onnx.save(quantizer.model.model, folder + "/int8.onnx", save_as_external_data=True, location="int8.onnx.data")
+onnx.save(model, folder + "/fp32.onnx", save_as_external_data=True, location="fp32.onnx.data")
 """
 
 # The adapter-style training of a quantized-base row: only the biases train. Set to a LoRA
@@ -124,7 +125,7 @@ def quantized_rows(layers: int, width: int, environment: dict[str, str]) -> None
     mib = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, "-c", BUILD_BASES, str(layers), str(width), folder], check=True,
-                       env=environment, capture_output=True)
+                       env=environment, stdout=subprocess.DEVNULL)
         sizes = {base: sum(p.stat().st_size for p in Path(folder).glob(f"{base}.onnx*")) for base in ("fp32", "int8")}
         results = {base: subprocess.run(
             [sys.executable, "-c", MEASURE_ADAPTED, str(Path(folder) / f"{base}.onnx"), str(width), str(layers),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import onnxtrain
+
 from support.quantized_models import deep_mlp, dequantized_weights, float_mlp, onnxruntime_outputs, quantized
 
 pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -140,7 +141,11 @@ def test_quantized_llama_infers_like_onnxruntime_and_trains(llama, bits, symmetr
     model = quantized(llama, bits, symmetric, qdq)
     ids = np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)
     (expected,) = onnxruntime_outputs(model, {"input_ids": ids}, optimized=not qdq)
-    tuner = onnxtrain.finetune(model.SerializeToString(), "cross_entropy", optax.adam(1e-2))
+    def next_token_loss(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    with pytest.warns(onnxtrain.ExportDamageWarning):   # tied norm weights and a fixed batch: left as they are
+        tuner = onnxtrain.finetune(model.SerializeToString(), next_token_loss, optax.adam(1e-2))
     logits = np.asarray(tuner.infer({"input_ids": ids})["logits"])
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
     assert not any(name.endswith(("_Q8", "_Q4", "_scales", "_zero_points")) for name in tuner.state_names)
