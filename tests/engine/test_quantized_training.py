@@ -152,3 +152,28 @@ def test_quantized_llama_infers_like_onnxruntime_and_trains(llama, bits, symmetr
     batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
     losses = [float(tuner.step(batch)["loss"]) for _ in range(15)]
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_recompute_on_a_quantized_llama_gives_the_same_steps_with_less_scratch(llama):
+    """recompute=True on a real export (shape arithmetic, attention, RoPE inside segments)
+    over an int8 base: the same losses and weights, less scratch, one program."""
+    model = quantized(llama, 8, False).SerializeToString()
+    ids = np.random.default_rng(1).integers(0, 100, (2, 8)).astype(np.int64)
+    batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
+
+    def next_token_loss(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    runs = {}
+    for recompute in (None, True):
+        with pytest.warns(onnxtrain.ExportDamageWarning):
+            tuner = onnxtrain.finetune(model, next_token_loss, optax.adam(1e-2), recompute=recompute)
+        scratch = _temp_bytes(tuner, batch)
+        runs[recompute] = (tuner, [float(tuner.step(batch)["loss"]) for _ in range(3)], scratch)
+    (plain, plain_losses, plain_scratch), (blocks, block_losses, block_scratch) = runs[None], runs[True]
+    np.testing.assert_allclose(block_losses, plain_losses, rtol=1e-6)
+    for name in plain.state_names:
+        np.testing.assert_allclose(blocks.get_state(name), plain.get_state(name), rtol=1e-6, atol=1e-7)
+    assert block_scratch < 0.8 * plain_scratch
+    assert blocks.compilations == plain.compilations

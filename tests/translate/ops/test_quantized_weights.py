@@ -124,3 +124,34 @@ def test_matmul_nbits_gradient_in_a_is_the_dequantized_weight():
     x = np.random.default_rng(4).standard_normal((2, 3, 40)).astype(np.float32)
     grad = jax.grad(lambda x: fn.apply_keeping(fn.params, {"x": x}, None, [first])[1][first].sum())(x)
     np.testing.assert_allclose(np.asarray(grad), np.ones((2, 3, 24), np.float32) @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def _int8_qdq_mlp(axis_per_channel: bool) -> onnx.ModelProto:
+    """A hand-made weight-only QDQ model: int8 weights [40, 24] with a per-tensor or
+    per-output-channel (axis 1) scale and zero point, DequantizeLinear -> MatMul."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-128, 128, (40, 24)).astype(np.int8)
+    scale = (rng.uniform(0.01, 0.05, 24) if axis_per_channel else np.array(0.02)).astype(np.float32)
+    zero = (rng.integers(-3, 4, 24) if axis_per_channel else np.array(1)).astype(np.int8)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], axis=1),
+         helper.make_node("MatMul", ["x", "W"], ["y"])], "qdq8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 40])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 24])],
+        [numpy_helper.from_array(q, "Wq"), numpy_helper.from_array(scale, "Ws"), numpy_helper.from_array(zero, "Wz")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_int8_dequantize_linear_weights_match_onnxruntime(per_channel):
+    from onnx.reference import ReferenceEvaluator
+
+    model = _int8_qdq_mlp(per_channel)
+    feeds = {"x": np.random.default_rng(6).standard_normal((3, 40)).astype(np.float32)}
+    (expected,) = onnxruntime_outputs(model, feeds, optimized=False)
+    (reference,) = ReferenceEvaluator(model).run(None, feeds)
+    (actual,) = ours(model, feeds)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(actual, reference, rtol=0, atol=1e-5 * scale)
+    assert set(translate(model).quantized) == {"Wq"}
