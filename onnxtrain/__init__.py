@@ -18,6 +18,7 @@ from onnxtrain.errors import (
 )
 from onnxtrain import callbacks, data, metrics, optim
 from onnxtrain._engine.placement import ShardingAnnotationWarning
+from onnxtrain.adapters import LoRA, apply_adapters
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
 from onnxtrain._recipe.builder import make_training_model
@@ -34,6 +35,7 @@ __all__ = [
     "ExportError",
     "FineTuner",
     "InputError",
+    "LoRA",
     "ModelLoadError",
     "NumericError",
     "OnnxTrainError",
@@ -41,6 +43,7 @@ __all__ = [
     "ShardingAnnotationWarning",
     "Trainer",
     "UnsupportedOpError",
+    "apply_adapters",
     "callbacks",
     "data",
     "describe",

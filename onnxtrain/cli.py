@@ -88,11 +88,24 @@ def _make_training(arguments: argparse.Namespace) -> int:
     model = make_training_model(arguments.model, loss=arguments.loss, output=arguments.output,
                                 optimizer=optimizer, trainable=arguments.trainable, label=arguments.label,
                                 ignore_index=arguments.ignore_index,
-                                freeze_batchnorm=arguments.freeze_batchnorm, repair=arguments.repair)
+                                freeze_batchnorm=arguments.freeze_batchnorm, repair=arguments.repair,
+                                adapters=_lora(arguments))
     save_model(model, arguments.out)
     print(f"wrote {arguments.out}: {optimizer.op_type} on {len(model.training_info[0].update_binding)} "
           f"state variables, label input {arguments.label!r}")
     return 0
+
+
+def _lora(arguments: argparse.Namespace) -> Any:
+    """The LoRA the --lora-* options ask for, or None."""
+    if arguments.lora_rank is None:
+        if arguments.lora_alpha is not None or arguments.lora_targets:
+            raise InputError("--lora-alpha and --lora-targets need --lora-rank")
+        return None
+    from onnxtrain.adapters import LoRA
+
+    alpha = 2.0 * arguments.lora_rank if arguments.lora_alpha is None else arguments.lora_alpha
+    return LoRA(arguments.lora_rank, alpha, targets=arguments.lora_targets or None)
 
 
 def _arrays(path: Path, names: list[str], option: str) -> dict[str, np.ndarray]:
@@ -252,7 +265,8 @@ def _finetune(arguments: argparse.Namespace) -> int:
     tuner = finetune(arguments.model, arguments.loss, _optax_optimizer(arguments.optimizer, arguments.lr),
                      output=arguments.output, trainable=arguments.trainable, label=arguments.label,
                      ignore_index=arguments.ignore_index, seed=0 if arguments.seed is None else arguments.seed,
-                     freeze_batchnorm=arguments.freeze_batchnorm, repair=arguments.repair)
+                     freeze_batchnorm=arguments.freeze_batchnorm, repair=arguments.repair,
+                     adapters=_lora(arguments))
     batches, validation = _data(arguments, tuner.step_inputs())
     history = tuner.fit(batches, epochs=arguments.epochs, progress=not arguments.quiet, eval_data=validation,
                         callbacks=_checkpoint_every_epoch(tuner, arguments.checkpoint))
@@ -301,6 +315,12 @@ def _recipe_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--freeze-batchnorm", action="store_true", help="keep BatchNorm statistics fixed")
     command.add_argument("--repair", action="append", choices=(*REPAIRS, "all"),
                          help="undo export damage `inspect` lists (repeatable)")
+    command.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank instead of the weights")
+    command.add_argument("--lora-alpha", type=float, help="LoRA's alpha (the branch is scaled by alpha/rank; "
+                                                          "none: 2 x rank)")
+    command.add_argument("--lora-targets", action="append",
+                         help="adapt the weights matching this pattern (fnmatch, repeatable; none: every "
+                              "linear layer but the embeddings and the head)")
 
 
 def _fit_options(command: argparse.ArgumentParser) -> None:

@@ -27,7 +27,9 @@ from onnxtrain._io.export import without_payloads
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.evaluation import LossSpec, loss_part
+from onnxtrain._recipe.lora import adapt
 from onnxtrain._recipe.objective import Objective, Trainable, objective, trainable_names
+from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError
 from onnxtrain.data import Data
 from onnxtrain.fitting import Callback
@@ -68,15 +70,16 @@ class FineTuner(Core):
                  label: str = "labels", seed: int = 0, mesh: Mesh | None = None, nan_policy: str = "raise",
                  train_mode: bool = True, freeze_batchnorm: bool = False,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None,
-                 ignore_index: int | None = None, recompute: bool | str | None = None):
+                 ignore_index: int | None = None, adapters: LoRA | None = None,
+                 recompute: bool | str | None = None):
         """See finetune()."""
         check_policy(nan_policy)
         mode = recompute_mode(recompute)
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
-        model = load_model(model)
+        source, model = model, load_model(model)
         prepare(model, repair, "finetune")
-        names = trainable_names(model, trainable)
+        names = trainable_names(model, trainable) if adapters is None else adapt(model, adapters, trainable, output, source)
         if not names:
             raise BindingError("no trainable weights: the model has no float initializers to train "
                                "(or `trainable` selected none)")
@@ -127,7 +130,7 @@ class FineTuner(Core):
                            validation_split=validation_split, seed=seed)
 
     def export(self, path: str | os.PathLike, training: bool = False,
-               external_data: bool | str | None = None) -> None:
+               external_data: bool | str | None = None, merge: bool | None = None) -> None:
         """Write the inference model with the trained weights (and BatchNorm statistics).
 
         Args:
@@ -135,9 +138,14 @@ class FineTuner(Core):
             training: must stay False: an optax optimizer has no ONNX form.
             external_data: True (or a file name) moves large tensors to a side file; None
                 does so only past protobuf's 2 GiB limit.
+            merge: for a model with adapters (LoRA): True or None writes the original graph
+                with W + (alpha/rank)·A·B folded into each adapted weight; False writes the
+                graph with the adapter branch and, beside it, the adapter-only file
+                `<path without .onnx>.adapter.onnx` (see onnxtrain.apply_adapters).
 
         Raises:
-            ExportError: training=True, or the file cannot be written.
+            ExportError: training=True, merge given for a model without adapters, or the file
+                cannot be written.
 
         Example:
             >>> tuner.export("model.finetuned.onnx")
@@ -145,7 +153,7 @@ class FineTuner(Core):
         if training:
             raise ExportError("an optax optimizer has no ONNX form, so finetune() exports inference "
                               "models only; use make_training_model for a model that carries its recipe")
-        self._write(path, False, external_data)
+        self._write(path, False, external_data, merge)
 
 
 def _evaluation(model: ModelProto, part: Objective, label: str, loss: str | GraphProto | LossFunction,
@@ -166,7 +174,8 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
              trainable: Trainable = None, label: str = "labels", ignore_index: int | None = None, seed: int = 0,
              mesh: Mesh | None = None, nan_policy: str = "raise", train_mode: bool = True,
              freeze_batchnorm: bool = False, max_programs: int = DEFAULT_MAX_PROGRAMS,
-             repair: Iterable[str] | str | None = None, recompute: bool | str | None = None) -> FineTuner:
+             repair: Iterable[str] | str | None = None, adapters: LoRA | None = None,
+             recompute: bool | str | None = None) -> FineTuner:
     """A FineTuner that trains `model`'s weights with an optax optimizer.
 
     Args:
@@ -195,6 +204,10 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
         repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
             "relax_batch", "insert_batchnorm", or "all"), as for make_training_model; damage
             left is warned about once.
+        adapters: an onnxtrain.LoRA: train low-rank adapters (A and B, plus the base weights
+            `trainable` names) instead of the weights, as make_training_model(adapters=) does.
+            On a quantized base (DequantizeLinear of integer weights) the adapters sit on
+            the dequantized weights, which stay integers (QLoRA-style).
         recompute: True (or "blocks") recomputes the forward pass's activations in the
             backward pass, one segment of about sqrt(n) nodes at a time, instead of keeping
             them all: less peak memory for more compute, the same results. Quantized
@@ -221,4 +234,4 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
 
         optimizer = optax.adam(1e-3)
     return FineTuner(model, loss, optimizer, output, trainable, label, seed, mesh, nan_policy, train_mode,
-                     freeze_batchnorm, max_programs, repair, ignore_index, recompute)
+                     freeze_batchnorm, max_programs, repair, ignore_index, adapters, recompute)

@@ -78,6 +78,13 @@ def _held(feeds: Feeds) -> Feeds:
     return owned(feeds) if isinstance(feeds, Mapping) else feeds
 
 
+def _short_last(batches: Any) -> bool:
+    """Whether whole arrays cut into batches (onnxtrain.data.ArrayBatches) end in a short one;
+    other sources are not read ahead to find out."""
+    rows, size = getattr(batches, "rows", None), getattr(batches, "batch_size", None)
+    return isinstance(rows, int) and isinstance(size, int) and size > 0 and rows % size != 0
+
+
 def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
     """`batches` without the last one if its batch size differs from the first's (drop_last).
     Each batch is copied while the next is read: a loader may refill one buffer for all."""
@@ -170,6 +177,8 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     for epoch in range(epochs):
         epoch_batches = _epoch_batches(batches)
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
+        if total and drop_last and _short_last(epoch_batches):
+            total -= 1
         hooks.epoch_begin(epoch, total)
         display.epoch_begin(epoch, total)
         recent: dict[str, list[float]] = {}

@@ -151,7 +151,7 @@ class Trainer(Core):
             self._store.place(self._placement.place_state, self._placement.replicate)
 
     def export(self, path: str | os.PathLike, training: bool = True,
-               external_data: bool | str | None = None) -> None:
+               external_data: bool | str | None = None, merge: bool | None = None) -> None:
         """Write the model with every state variable's current value in its initializer.
 
         Args:
@@ -160,17 +160,22 @@ class Trainer(Core):
                 exactly; False writes a clean inference model for ONNX Runtime.
             external_data: True (or a file name) moves large tensors to a side file; None
                 does so only past protobuf's 2 GiB limit.
+            merge: for a model with adapters (LoRA) and training=False: True or None writes
+                the original inference graph with W + (alpha/rank)·A·B folded into each
+                adapted weight; False writes the graph with the adapter branch and, beside
+                it, the adapter-only file `<path without .onnx>.adapter.onnx`. A training
+                export keeps the branch with A and B as state (merge=True is refused).
 
         Returns:
             None; the file at `path` is complete once this returns.
 
         Raises:
-            ExportError: the file cannot be written.
+            ExportError: the file cannot be written, or merge does not apply (see merge).
 
         Example:
             >>> trainer.export("model.trained.onnx", training=False)   # for ONNX Runtime
         """
-        self._write(path, training, external_data)
+        self._write(path, training, external_data, merge)
 
     def __repr__(self) -> str:
         return (f"Trainer({self._model.graph.name or 'model'!r}: {len(self.state_names)} state "

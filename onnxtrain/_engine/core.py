@@ -26,6 +26,7 @@ from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Prog
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
+from onnxtrain._recipe.lora_export import export_transform
 from onnxtrain.errors import InputError, ModelLoadError
 from onnxtrain.data import Data, fit_data
 from onnxtrain.fitting import Batches, Callback, evaluate_batches, fit
@@ -324,11 +325,14 @@ class Core:
         with self._store.transaction():
             return runner.lowered(self._store, self._placed(runner, feeds))
 
-    def _write(self, path: str | os.PathLike, training: bool, external_data: bool | str | None) -> None:
+    def _write(self, path: str | os.PathLike, training: bool, external_data: bool | str | None,
+               merge: bool | None = None) -> None:
+        # Adapters (LoRA) fold into their weights, or keep their branch and write an adapter file.
+        transform = export_transform(self._model, training, merge, os.fspath(path), set(self._home))
         with self._store.transaction():
             values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
             key = self._store.key
-        write_model(self._model, values, self._home, path, key if training else None, external_data)
+        write_model(self._model, values, self._home, path, key if training else None, external_data, transform)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save every state variable, optimizer slot, hyperparameter and the PRNG key (no pickle)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -79,10 +79,12 @@ def replace_initializer(graph: GraphProto, name: str, value: np.ndarray) -> None
 
 
 def write_model(model: ModelProto, values: Mapping[str, np.ndarray], home: Home, path: str | os.PathLike,
-                key: jax.Array | None, external_data: bool | str | None = None) -> None:
+                key: jax.Array | None, external_data: bool | str | None = None,
+                transform: Callable[[ModelProto], ModelProto] | None = None) -> None:
     """Save `model` with `values` in their home initializers. key=None writes an inference model
     (no training_info, values homed there skipped); a key keeps training_info and records the
-    key, so a Trainer of the file resumes the random stream exactly."""
+    key, so a Trainer of the file resumes the random stream exactly. transform: applied to the
+    finished model just before saving (adapters fold or write their file there)."""
     out = ModelProto()
     out.CopyFrom(model)
     for name, value in values.items():
@@ -100,4 +102,7 @@ def write_model(model: ModelProto, values: Mapping[str, np.ndarray], home: Home,
         del out.training_info[:]
     else:
         out.metadata_props.append(StringStringEntryProto(key=KEY_METADATA, value=_key_metadata(key)))
-    save_model(out, path, external_data=external_data)
+    if transform is not None:
+        out = transform(out)
+    # Only a transform (an adapter export sharing its base's side file) leaves references.
+    save_model(out, path, external_data=external_data, keep_references=transform is not None)

@@ -259,6 +259,7 @@ def _externalizable(model: ModelProto, threshold: int) -> list[tuple[TensorProto
         for tensor, where in iter_tensors(model)
         if tensor.data_type != TensorProto.STRING
         and not tensor.HasField("segment")
+        and not uses_external_data(tensor)
         and _payload_size(tensor) >= threshold
     ]
 
@@ -344,6 +345,7 @@ def save_model(
     external_data: bool | str | None = None,
     *,
     size_threshold: int = 1024,
+    keep_references: bool = False,
 ) -> None:
     """Write `model` to `path` atomically.
 
@@ -356,6 +358,9 @@ def save_model(
             included) to `<file name>.data` beside the model; a string names that side file
             instead; False never writes one.
         size_threshold: the smallest tensor, in bytes, moved to the side file.
+        keep_references: tensors that still refer to external data are written as such
+            references (an adapter export pointing at its base model's side file) instead of
+            being refused.
 
     Raises:
         ExportError: the folder does not exist, the file cannot be written, or the model
@@ -368,7 +373,8 @@ def save_model(
     path = Path(path)
     if not path.parent.is_dir():
         raise ExportError(f"cannot save to {path}: folder {path.parent} does not exist")
-    _refuse_unloaded_external_data(model)
+    if not keep_references:
+        _refuse_unloaded_external_data(model)
     if external_data is None:
         external_data = not _fits_in_one_message(model)
     location = _side_file_name(path, external_data) if external_data is not False else None

@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from onnxtrain._io.model import ModelSource, load_model
+from onnxtrain._recipe.lora_export import describe_adapters
 from onnxtrain.proto import (AttributeProto, GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
                              TypeProto, ValueInfoProto)
 from onnxtrain.proto.walk import iter_graphs
@@ -178,6 +179,7 @@ def describe(model: ModelSource) -> str:
         lines.append(f"  {model.doc_string}")
     lines.append(f"opsets: {opsets or 'none'}")
     lines += _graph_lines("main graph", model.graph, "")
+    lines += describe_adapters(model)
     initializers = _initializers(model.graph)
     for index, info in enumerate(model.training_info):
         lines.append(f"training_info[{index}]:")

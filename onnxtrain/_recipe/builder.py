@@ -24,11 +24,13 @@ import numpy as np
 
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
+from onnxtrain._recipe.lora import adapt
 from onnxtrain._recipe.evaluation import LossSpec, record as record_evaluation
-from onnxtrain._recipe.objective import FLOATS, Names, Objective, Trainable, objective, trainable_names
+from onnxtrain._recipe.objective import Names, Objective, Trainable, objective, trainable_names
 from onnxtrain._recipe.training_info import validate
 from onnxtrain._recipe.update import update_nodes
 from onnxtrain import optim
+from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError
 from onnxtrain.optim import Optimizer
 from onnxtrain.proto import (GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
@@ -101,6 +103,7 @@ def make_training_model(
     reinitialize: Iterable[str] = (),
     lift_folded_weights: bool = False,
     repair: Iterable[str] | str | None = None,
+    adapters: LoRA | None = None,
 ) -> ModelProto:
     """A copy of `model` with a standard TrainingInfoProto (see the module docstring).
 
@@ -125,6 +128,11 @@ def make_training_model(
         repair: export-damage repairs to apply first ("lift_constants", "retie", "untie",
             "relax_batch", "insert_batchnorm", or "all"); damage not repaired is warned about
             once. lift_folded_weights: the same as repair={"lift_constants"}.
+        adapters: an onnxtrain.LoRA: the graph gains its adapter branch, and only the A and B
+            factors train (plus the base weights `trainable` names, trained fully); the base
+            weights stay constants (no gradients, no optimizer slots, no state). Trainer
+            export(training=False) then merges them (merge=False keeps the branch and writes
+            an adapter file).
 
     Returns:
         The training model, ready for onnxtrain.Trainer or onnxtrain.save_model.
@@ -132,7 +140,8 @@ def make_training_model(
     Raises:
         InputError: an unknown optimizer, loss option or trainable name; an optax optimizer
             (onnxtrain.finetune takes those).
-        BindingError: the model already has training_info, or nothing is left to train.
+        BindingError: the model already has training_info, or nothing is left to train; LoRA
+            targets that select nothing or cannot be adapted.
 
     Example:
         >>> training = onnxtrain.make_training_model("model.onnx", loss="cross_entropy",
@@ -140,12 +149,13 @@ def make_training_model(
         >>> trainer = onnxtrain.Trainer(training)
     """
     optimizer = optim.get(optimizer)
-    model = load_model(model)
+    source, model = model, load_model(model)
     if model.training_info:
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
     prepare(model, repair, "make_training_model", lift_folded_weights)
-    weights = trainable_names(model, trainable)
+    weights = (trainable_names(model, trainable) if adapters is None
+               else adapt(model, adapters, trainable, output, source))
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
                            "(or `trainable` selected none)")

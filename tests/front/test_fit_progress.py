@@ -197,3 +197,15 @@ def test_an_error_mid_epoch_leaves_no_open_bar_for_the_next_fit(capsys):
     # The abandoned bar is erased, and the new one drawn in its place, not below it.
     assert len(_final_lines(out)) == 1 and _final_lines(out)[0].startswith("epoch 1/1: 100%")
     assert "\x1b[A" not in out   # no cursor moves to a second bar position
+
+
+@pytest.mark.parametrize("drop_last, shown", [(True, "2/2"), (False, "3/3")])
+def test_the_bar_counts_the_steps_drop_last_leaves(capsys, drop_last, shown):
+    """Ten rows in batches of four: the short third batch is skipped under drop_last, and the
+    finished bar must say so instead of stopping at 2/3."""
+    from onnxtrain.data import ArrayBatches
+
+    batches = ArrayBatches({"x": np.zeros((10, 2), np.float32)}, batch_size=4)
+    fit(Counter(), batches, verbose=1, drop_last=drop_last)
+    (line,) = _final_lines(capsys.readouterr().out)
+    assert line.startswith("epoch 1/1: 100%") and shown in line

@@ -9,7 +9,10 @@ For a (family, exporter) pair of scripts/export_zoo.py:
   torch parameters element by element, by value: the zoo perturbs every parameter, so each
   value occurs once. A torch gradient is then the sum of the ONNX gradients of the elements
   that copy it. An initializer that copies no parameter is an exporter constant (it must not
-  be trained); a parameter with a gradient that no initializer copies was folded away;
+  be trained); a parameter with a gradient that no initializer copies was folded away.
+  Where float32 itself cannot give 1e-5 (train-mode BatchNorm over a handful of values per
+  channel), both sides are measured against torch in float64: onnxtrain passes if it is
+  no further from it than twice torch's own float32 error;
 - trains: the loss falls over Adam steps on the fixed batch, and stays finite;
 - export: Trainer.export(training=False) of the trained model, run by onnxruntime, against
   the Trainer's own infer.
@@ -152,24 +155,27 @@ class Zoo:
         gradients = {x.decode(): np.asarray(out[g]) for x, g in zip(xs, gradient.output)}
         return Training(trainer, feeds, gradients, [float(out["loss"])])
 
-    def gradient_report(self, name: str, exporter: str) -> tuple[float, list[str]]:
-        """(worst gradient error, problems): see the module docstring. The error of a parameter
-        is max|onnxtrain - torch| over its elements relative to its largest torch gradient."""
+    def gradient_report(self, name: str, exporter: str) -> tuple[float, list[str], list[str]]:
+        """(worst gradient error, problems, notes): see the module docstring. The error of a
+        parameter is max|onnxtrain - torch| over its elements relative to its largest torch
+        gradient. A parameter past GRADIENT_TOLERANCE is a problem unless float32 rounding
+        explains it (then it is a note): onnxtrain's error against float64 torch is at most
+        twice that of torch's own float32 gradient."""
         family = export_zoo.FAMILIES[name]
         onnx_gradients = self.training(name, exporter).gradients
         initial = _initializers(self.model(name, exporter))
-        params, torch_gradients = torch_oracle(family, self.feeds(name, exporter), self.labels(name),
-                                               initial if name.startswith("sk_") else None)
+        sklearn = initial if name.startswith("sk_") else None
+        params, torch_gradients = torch_oracle(family, self.feeds(name, exporter), self.labels(name), sklearn)
         traced = trace(initial, onnx_gradients, params)
-        problems = []
+        problems, notes = [], []
         if traced.constants:
             problems.append(f"trained by default but copy no torch parameter: {traced.constants[:6]}"
                             f"{' ...' if len(traced.constants) > 6 else ''}")
-        worst = 0.0
         # Gradients that are zero in exact arithmetic (attention key biases, which softmax
         # cancels; a conv bias before a per-channel norm) hold only rounding noise on both
         # sides: they are measured against the model's largest gradient.
         largest = max((float(np.max(np.abs(g))) for g in torch_gradients.values() if g.size), default=0.0)
+        errors = {}
         for param, expected in torch_gradients.items():
             got, covered = traced.summed[param], traced.covered[param]
             missing = ~covered & (np.abs(expected) > 1e-6 * max(np.max(np.abs(expected)), 1e-30))
@@ -178,11 +184,19 @@ class Zoo:
                                 f"{int(missing.sum())} of its {expected.size} elements (folded or frozen)")
                 continue
             scale = float(np.max(np.abs(expected)))
-            scale = largest if scale < ZERO_GRADIENT * largest else scale
-            error = float(np.max(np.abs(got - expected))) / scale if scale else float(np.max(np.abs(got)))
-            if error > worst:
-                worst = error
-        return worst, problems
+            errors[param] = (_relative(got, expected, largest if scale < ZERO_GRADIENT * largest else scale))
+        beyond = {param: error for param, error in errors.items() if error > GRADIENT_TOLERANCE}
+        if beyond:
+            _, exact = torch_oracle(family, self.feeds(name, exporter), self.labels(name), sklearn, np.float64)
+            for param, error in sorted(beyond.items(), key=lambda item: -item[1]):
+                scale = float(np.max(np.abs(exact[param])))
+                scale = largest if scale < ZERO_GRADIENT * largest else scale
+                ours = _relative(traced.summed[param], exact[param], scale)
+                theirs = _relative(torch_gradients[param], exact[param], scale)
+                figures = (f"{param}: {error:.1e} from torch float32; against float64 torch, onnxtrain "
+                           f"{ours:.1e} and torch float32 {theirs:.1e}")
+                (notes if ours <= max(GRADIENT_TOLERANCE, 2 * theirs) else problems).append(figures)
+        return max(errors.values(), default=0.0), problems, notes
 
     def losses(self, name: str, exporter: str) -> list[float]:
         """The loss before each of STEPS + 1 Adam steps on the fixed batch."""
@@ -261,11 +275,12 @@ def trace(initial: dict[str, np.ndarray], gradients: dict[str, np.ndarray],
 
 
 def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
-                 initial: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
-    """(parameters, gradients) of the family's loss in torch, by parameter name. BatchNorm
-    runs in train mode (batch statistics), as the training model does; every other module stays
-    in eval mode, as exported (Dropout and stochastic depth are then the identity, as in the
-    export). scikit-learn families are rebuilt in torch from their initializers (`initial`)."""
+                 initial: dict[str, np.ndarray] | None = None, dtype=np.float32) -> tuple[dict, dict]:
+    """(parameters, gradients) of the family's loss in torch, by parameter name, computed in
+    `dtype` (the parameters are returned as exported, in float32). BatchNorm runs in train
+    mode (batch statistics), as the training model does; every other module stays in eval
+    mode, as exported (Dropout and stochastic depth are then the identity, as in the export).
+    scikit-learn families are rebuilt in torch from their initializers (`initial`)."""
     import torch
     import torch.nn.functional as F
 
@@ -279,14 +294,24 @@ def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
             module.train(family.batchnorm and isinstance(module, norms))
         batch = export_zoo.batch(family)
         inputs = [torch.from_numpy(v) for v in batch.values()]
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    wide = torch.float64 if dtype == np.float64 else torch.float32
+    model.to(wide)
+    inputs = [x.to(wide) if x.is_floating_point() else x for x in inputs]
     prediction = model(*inputs)
     target = torch.from_numpy(labels)
+    target = target.to(wide) if target.is_floating_point() else target
     loss = F.cross_entropy(prediction, target) if family.loss == "cross_entropy" else F.mse_loss(prediction, target)
     loss.backward()
-    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     grads = {n: (p.grad.numpy().astype(np.float64) if p.grad is not None else np.zeros(p.shape))
              for n, p in model.named_parameters()}
     return params, grads
+
+
+def _relative(got: np.ndarray, expected: np.ndarray, scale: float) -> float:
+    """max|got - expected| relative to `scale` (absolute where the scale is zero)."""
+    error = float(np.max(np.abs(got - expected), initial=0.0))
+    return error / scale if scale else error
 
 
 def _sklearn_in_torch(family, initial: dict[str, np.ndarray]):
@@ -318,8 +343,9 @@ def measure(zoo: Zoo, name: str, exporter: str, check: str, folder: Path) -> str
         if name == "sk_logistic_ml":
             return "n/a"
         if check == "gradients":
-            worst, problems = zoo.gradient_report(name, exporter)
-            return f"{worst:.1e}" + (f" FAIL {problems[0]}" if problems else "")
+            worst, problems, notes = zoo.gradient_report(name, exporter)
+            return (f"{worst:.1e}" + (f" FAIL {problems[0]}" if problems else "")
+                    + (f" (float32 rounding: {notes[0]})" if notes and not problems else ""))
         if check == "trains":
             losses = zoo.losses(name, exporter)
             return f"{losses[0]:.3g} -> {losses[-1]:.3g}"

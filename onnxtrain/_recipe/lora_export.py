@@ -1,0 +1,260 @@
+"""LoRA adapters on the way out: folding the branch into the weights (merge), the adapter-only
+file, applying one to a base model again, and what a trainer's export does with them.
+
+The record lora.insert leaves in the model's metadata says which nodes and initializers the
+branch added; fold removes exactly those, so a merged export has the input model's nodes and
+names, with W + (alpha/rank)·A·B in each adapted weight's place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+
+import numpy as np
+
+from onnxtrain._io.export import replace_initializer
+from onnxtrain._io.external_data import mark_external, uses_external_data
+from onnxtrain._io.model import ModelSource, load_model, save_model
+from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
+from onnxtrain.adapters import LoRA
+from onnxtrain.errors import BindingError, ExportError, ModelLoadError
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto
+from onnxtrain.proto.make import tensor_value_info
+from onnxtrain.translate.registry import normalize_domain
+from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_to_numpy
+
+ADAPTER_SUFFIX = ".adapter.onnx"
+
+
+def _dequantized(graph: GraphProto, item: NodeProto) -> np.ndarray:
+    """DequantizeLinear of initializers in float64: per tensor, per axis or blocked."""
+    values = {t.name: t for t in graph.initializer}
+    data = tensor_to_numpy(values[item.input[0]]).astype(np.float64)
+    scale = tensor_to_numpy(values[item.input[1]]).astype(np.float64)
+    zero = (tensor_to_numpy(values[item.input[2]]).astype(np.float64)
+            if len(item.input) > 2 and item.input[2] else np.zeros_like(scale))
+    if scale.size == 1 and scale.ndim <= 1:
+        return (data - zero.reshape(())) * scale.reshape(())
+    axis = int(attribute_value(item, "axis", 1)) % data.ndim
+    block = int(attribute_value(item, "block_size", 0))
+    if block:
+        scale = np.repeat(scale, block, axis=axis).take(range(data.shape[axis]), axis=axis)
+        zero = np.repeat(zero, block, axis=axis).take(range(data.shape[axis]), axis=axis)
+        return (data - zero) * scale
+    shape = [1] * data.ndim
+    shape[axis] = -1
+    return (data - zero.reshape(shape)) * scale.reshape(shape)
+
+
+def delta(entry: Mapping, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """(alpha/rank)·A·B in the stored layout of the weight (float64)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    if entry["kind"] == "Conv":
+        change = np.einsum("or,ri...->oi...", b64.reshape(b64.shape[:2]), a64)
+    else:
+        change = a64 @ b64
+        if entry["transposed"]:
+            change = change.T
+    return scale * change
+
+
+def fold(model: ModelProto) -> ModelProto:
+    """`model` (with an adapter branch) as the original graph with each adapted weight replaced
+    by W + (alpha/rank)·A·B (in place; returned). A quantized base weight becomes a float
+    initializer named as its DequantizeLinear output; the integer tensor, scale and zero point
+    go when nothing else reads them."""
+    record = read_record(model)
+    if record is None:
+        return model
+    graph = model.graph
+    scale = record["alpha"] / record["rank"]
+    initializers = {t.name: t for t in graph.initializer}
+    dropped_nodes: set[str] = set()
+    dropped_values: set[str] = set(filter(None, [record.get("dropout_ratio")]))
+    renamed: dict[str, str] = {}
+    folded: set[str] = set()
+    producers = {out: item for item in graph.node for out in item.output}
+    for weight, entry in record["weights"].items():
+        a = tensor_to_numpy(initializers[entry["A"]])
+        b = tensor_to_numpy(initializers[entry["B"]])
+        dropped_values.update([entry["A"], entry["B"]])
+        for site in entry["sites"]:
+            dropped_nodes.update(site["nodes"])
+            dropped_values.add(site["scale"])
+            renamed[site["base"]] = site["output"]
+        if entry["quantized"]:
+            dequantize = producers[weight]
+            base = _dequantized(graph, dequantize)
+            dtype = ELEMENT_TYPES[initializers[dequantize.input[1]].data_type].dtype
+            graph.initializer.append(numpy_to_tensor((base + delta(entry, a, b, scale)).astype(dtype), weight))
+            folded.add(weight)   # its DequantizeLinear goes: the weight is an initializer now
+        else:
+            stored = tensor_to_numpy(initializers[weight])
+            replace_initializer(graph, weight, (stored.astype(np.float64) + delta(entry, a, b, scale)
+                                                ).astype(stored.dtype))
+    quantized = _quantized_inputs(record, producers)
+    kept = []
+    for item in graph.node:
+        if item.name in dropped_nodes or (item.output and item.output[0] in folded):
+            continue
+        copy = NodeProto()
+        copy.CopyFrom(item)
+        copy.output[:] = [renamed.get(name, name) for name in item.output]
+        kept.append(copy)
+    del graph.node[:]
+    graph.node.extend(kept)
+    read = {name for item in graph.node for name in item.input} | {v.name for v in graph.output}
+    unused = {t.name for t in graph.initializer if t.name not in read and t.name in quantized}
+    remaining = [t for t in graph.initializer if t.name not in dropped_values and t.name not in unused]
+    del graph.initializer[:]
+    graph.initializer.extend(remaining)
+    set_record(model, None)
+    return model
+
+
+def _quantized_inputs(record: Mapping, producers: Mapping[str, NodeProto]) -> set[str]:
+    """The integer tensors, scales and zero points of the quantized weights' DequantizeLinear."""
+    names: set[str] = set()
+    for weight, entry in record["weights"].items():
+        if entry["quantized"] and weight in producers:
+            names.update(producers[weight].input)
+    return names
+
+
+def adapter_path(path: str) -> str:
+    """The adapter file beside the model file `path`: model.onnx -> model.adapter.onnx."""
+    stem = path[:-len(".onnx")] if path.endswith(".onnx") else path
+    return stem + ADAPTER_SUFFIX
+
+
+def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProto:
+    """An ONNX model holding only the A and B initializers of `model` (each also a graph
+    output, so the file is a valid model ONNX Runtime can load) and the adapter record, plus
+    the base weights in `trained` (trained fully, as PEFT's modules_to_save), listed in the
+    record under "trained"."""
+    record = dict(read_record(model) or {})
+    if not record:
+        raise BindingError("the model carries no adapters")
+    names = [name for entry in record["weights"].values() for name in (entry["A"], entry["B"])]
+    record.pop("base", None)   # a local path, meaningless elsewhere
+    record["trained"] = [name for name in trained if name not in names]
+    names += record["trained"]
+    values = {t.name: t for t in model.graph.initializer}
+    graph = GraphProto(name="lora_adapters")
+    for name in names:
+        tensor = values[name]
+        graph.initializer.append(tensor)
+        graph.output.append(tensor_value_info(name, tensor.data_type, list(tensor.dims)))
+    out = ModelProto(ir_version=model.ir_version, producer_name="onnxtrain", graph=graph)
+    out.opset_import.extend(o for o in model.opset_import if normalize_domain(o.domain) == "")
+    set_record(out, record)
+    return out
+
+
+def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool = True) -> ModelProto:
+    """See onnxtrain.apply_adapters."""
+    model = load_model(base)
+    adapters = load_model(adapter_file)
+    record = read_record(adapters)
+    if record is None:
+        raise ModelLoadError(f"the adapter file carries no {ADAPTERS_KEY!r} metadata; pass a file written by "
+                             "export(..., merge=False) (its name ends in .adapter.onnx)")
+    values = {t.name: tensor_to_numpy(t) for t in adapters.graph.initializer}
+    lora = LoRA(record["rank"], record["alpha"], dropout=record["dropout"])
+    found = candidates(model)
+    chosen, factors = [], {}
+    for name, entry in record["weights"].items():
+        candidate = found.get(name)
+        if candidate is None or candidate.problem is not None:
+            why = "it is not there" if candidate is None else candidate.problem
+            raise BindingError(f"the adapter file adapts {name!r}, but the base model cannot take it: {why} "
+                               "(another base model?)")
+        if list(candidate.dims) != entry["shape"] or candidate.kind != entry["kind"]:
+            raise BindingError(f"adapted weight {name!r} is a {candidate.kind} weight of shape "
+                               f"{list(candidate.dims)} in the base model, but the adapter was trained on a "
+                               f"{entry['kind']} weight of shape {entry['shape']}: another base model?")
+        chosen.append(candidate)
+        factors[name] = (values[entry["A"]], values[entry["B"]])
+    # Graph order, as at training time, so the branch gets the same names.
+    order = list(found)
+    chosen.sort(key=lambda c: order.index(c.name))
+    for name in record.get("trained", []):
+        if name not in {t.name for t in model.graph.initializer}:
+            raise BindingError(f"the adapter file holds trained weight {name!r}, which the base model lacks "
+                               "(another base model?)")
+        replace_initializer(model.graph, name, values[name])
+    inserted = insert(model, lora, chosen, factors)
+    if any(inserted["weights"][w]["A"] != record["weights"][w]["A"] for w in inserted["weights"]):
+        raise BindingError("the adapter's tensor names do not fit the base model (another base model?)")
+    return fold(model) if merge else model
+
+
+def describe_adapters(model: ModelProto) -> list[str]:
+    """Lines for `onnxtrain inspect`: each adapted weight, its kind, rank and factors."""
+    record = read_record(model)
+    if record is None:
+        return []
+    lines = [f"LoRA adapters: rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, "
+             f"{len(record['weights'])} weights"]
+    for weight, entry in record["weights"].items():
+        quantized = ", quantized base" if entry["quantized"] else ""
+        lines.append(f"  {weight} ({entry['kind']} {entry['shape']}{quantized}): {entry['A']}, {entry['B']}")
+    return lines
+
+
+def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Collection[str]) -> None:
+    """Point the base weights of `out` at the base model's external data file instead of
+    copying them, when the base came from a file with external data in the folder `path` is
+    written to (a location may not leave its model's folder). Values the export writes
+    (trained state) and tensors whose type or shape changed are left inline."""
+    base = record.get("base")
+    if not base or os.path.dirname(os.path.abspath(path)) != os.path.dirname(base) or not os.path.isfile(base):
+        return
+    stored = {t.name: t for t in load_model(base, load_external_data=False).graph.initializer
+              if uses_external_data(t)}
+    for tensor in out.graph.initializer:
+        reference = stored.get(tensor.name)
+        if (reference is None or tensor.name in written or tensor.data_type != reference.data_type
+                or list(tensor.dims) != list(reference.dims)):
+            continue
+        entries = {entry.key: entry.value for entry in reference.external_data}
+        if set(entries) - {"location", "offset", "length"} or "length" not in entries:
+            continue   # a checksum or a missing length, which this writer does not reproduce: copy
+        mark_external(tensor, entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+
+
+def export_transform(model: ModelProto, training: bool, merge: bool | None, path: str,
+                     written: Collection[str] = ()):
+    """What an export of a model with adapters does before saving: None for a model without
+    adapters; merge (default for inference exports) folds them in; merge=False keeps the
+    branch, shares the base model's external data file when it can (see _share_base_data)
+    and writes the adapter file beside `path`. written: the names the export writes values for.
+
+    Raises:
+        ExportError: merge=True with training=True (a training model keeps its branch, so that
+            Trainer(path) resumes), or merge given for a model without adapters.
+    """
+    record = read_record(model)
+    if record is None:
+        if merge is not None:
+            raise ExportError(f"merge={merge} applies to models with adapters (LoRA); this model has none")
+        return None
+    if training:
+        if merge:
+            raise ExportError("a training export keeps the adapter branch and A, B as state, so that "
+                              "Trainer(path) resumes; export(training=False) to merge")
+        return None
+
+    def transform(out: ModelProto) -> ModelProto:
+        if merge is None or merge:
+            return fold(out)
+        initializers = {t.name for t in out.graph.initializer}
+        save_model(adapter_model(out, [name for name in written if name in initializers]),
+                   adapter_path(str(path)))
+        _share_base_data(out, record, path, written)
+        return out
+
+    return transform
+
+
