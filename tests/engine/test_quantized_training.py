@@ -177,3 +177,72 @@ def test_recompute_on_a_quantized_llama_gives_the_same_steps_with_less_scratch(l
         np.testing.assert_allclose(blocks.get_state(name), plain.get_state(name), rtol=1e-6, atol=1e-7)
     assert block_scratch < 0.8 * plain_scratch
     assert blocks.compilations == plain.compilations
+
+
+def _float_twin(standard) -> "onnx.ModelProto":
+    """The standardized quantized model with every DequantizeLinear of stored integers replaced
+    by a float initializer of the same name holding its output as onnxruntime computes it."""
+    import onnx
+
+    probe = onnx.ModelProto.FromString(standard.SerializeToString())
+    dequantizers = [node for node in probe.graph.node if node.op_type == "DequantizeLinear"]
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
+                              for node in dequantizers)
+    ids = np.zeros((2, 8), np.int64)
+    values = onnxruntime_outputs(probe, {"input_ids": ids}, optimized=False)[1:]
+    twin = onnx.ModelProto.FromString(standard.SerializeToString())
+    kept = [node for node in twin.graph.node if node.op_type != "DequantizeLinear"]
+    del twin.graph.node[:]
+    twin.graph.node.extend(kept)
+    twin.graph.initializer.extend(onnx.numpy_helper.from_array(value, node.output[0])
+                                  for node, value in zip(dequantizers, values))
+    used = {name for node in twin.graph.node for name in node.input}
+    kept_initializers = [t for t in twin.graph.initializer if t.name in used]
+    del twin.graph.initializer[:]
+    twin.graph.initializer.extend(kept_initializers)
+    return twin
+
+
+@pytest.mark.slow
+def test_lora_on_onnxruntimes_int8_llama_trains_like_lora_on_its_float_weights(llama, tmp_path):
+    """QLoRA-style: LoRA on the int8 weights onnxruntime's quantizer writes (MatMulNBits,
+    rewritten to DequantizeLinear + MatMul so that LoRA sees the quantized base). Only the
+    adapters are state; two SGD steps give the adapters the LoRA on a float model holding
+    the weights as onnxruntime dequantizes them gives; the loss falls; the merged export
+    runs in onnxruntime like infer()."""
+    import onnx
+
+    from onnxtrain._recipe.quantized import standardize_matmul_nbits
+
+    base = quantized(llama, 8, False)
+    standard = onnxtrain.load_model(base.SerializeToString())
+    assert standardize_matmul_nbits(standard) == sum(n.op_type == "MatMulNBits" for n in base.graph.node)
+    twin = _float_twin(onnx.ModelProto.FromString(standard.SerializeToString()))
+    ids = np.random.default_rng(2).integers(0, 100, (2, 8)).astype(np.int64)
+    batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
+
+    def next_token_loss(logits, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    tuners = []
+    for model in (base, twin):
+        with pytest.warns(onnxtrain.ExportDamageWarning):
+            tuners.append(onnxtrain.finetune(model.SerializeToString(), next_token_loss, optax.sgd(0.5),
+                                             adapters=onnxtrain.LoRA(rank=4, alpha=8)))
+    ours, theirs = tuners
+    assert all(name.endswith((".lora_A", ".lora_B")) for name in ours.state_names)
+    assert list(ours.state_names) == list(theirs.state_names) and len(ours.state_names) >= 2 * 14
+    losses = []
+    for _ in range(2):
+        losses.append(float(ours.step(batch)["loss"]))
+        assert losses[-1] == pytest.approx(float(theirs.step(batch)["loss"]), rel=1e-5)
+    for name in ours.state_names:
+        expected = theirs.get_state(name)
+        np.testing.assert_allclose(ours.get_state(name), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    losses += [float(ours.step(batch)["loss"]) for _ in range(10)]
+    assert min(losses) < 0.96 * losses[0] and losses[-1] < losses[0], losses
+    path = tmp_path / "merged.onnx"
+    ours.export(path)
+    (served,) = onnxruntime_outputs(onnx.load(path), {"input_ids": ids})
+    inferred = np.asarray(ours.infer({"input_ids": ids})["logits"])
+    np.testing.assert_allclose(served, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
