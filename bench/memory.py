@@ -17,11 +17,11 @@ temporary folder.
 
 With --quantized it measures adapter-style training on a quantized base instead: the same
 MatMul stack as a float32 file and as ONNX Runtime's int8 weight-only quantization of it
-(MatMulNBits, bits=8), each fine-tuned in a fresh process with only small float weights
-training (the biases; LoRA adapters once onnxtrain.LoRA exists, see ADAPTERS), reporting
-peak RSS and the compiled step's scratch bytes for both bases. Needs onnxruntime.
+(MatMulNBits, bits=8), each fine-tuned in a fresh process with LoRA adapters on every
+MatMul (ADAPTERS; --biases trains the biases instead), reporting peak RSS and the compiled
+step's scratch bytes for both bases. Needs onnxruntime.
 
-Usage: python bench/memory.py [--layers 10] [--width 3162] [--quantized]
+Usage: python bench/memory.py [--layers 10] [--width 3162] [--quantized [--biases]]
 """
 
 from __future__ import annotations
@@ -97,10 +97,9 @@ onnx.save(quantizer.model.model, folder + "/int8.onnx", save_as_external_data=Tr
 onnx.save(model, folder + "/fp32.onnx", save_as_external_data=True, location="fp32.onnx.data")
 """
 
-# The adapter-style training of a quantized-base row: only the biases train. Set to a LoRA
-# argument (e.g. "onnxtrain.LoRA(rank=16, alpha=32)") once onnxtrain.LoRA exists, to train
-# adapters on every MatMul instead.
-ADAPTERS = None
+# What trains in the quantized-base rows: LoRA adapters on every MatMul (as source text for
+# the measuring process); --biases trains only the biases instead.
+ADAPTERS = "onnxtrain.LoRA(rank=16, alpha=32, targets=['*'])"
 
 MEASURE_ADAPTED = """
 import json, sys, numpy as np, optax, onnxtrain
@@ -120,7 +119,7 @@ print(json.dumps({"baseline": baseline, "after_load": after_load, "peak": hwm(),
 """
 
 
-def quantized_rows(layers: int, width: int, environment: dict[str, str]) -> None:
+def quantized_rows(layers: int, width: int, environment: dict[str, str], adapters: str | None) -> None:
     """Adapter-style training on the float32 base and on its int8 quantization: peak RSS."""
     mib = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:
@@ -129,9 +128,9 @@ def quantized_rows(layers: int, width: int, environment: dict[str, str]) -> None
         sizes = {base: sum(p.stat().st_size for p in Path(folder).glob(f"{base}.onnx*")) for base in ("fp32", "int8")}
         results = {base: subprocess.run(
             [sys.executable, "-c", MEASURE_ADAPTED, str(Path(folder) / f"{base}.onnx"), str(width), str(layers),
-             str(ADAPTERS)], check=True, capture_output=True, text=True, env=environment)
+             str(adapters)], check=True, capture_output=True, text=True, env=environment)
             for base in ("fp32", "int8")}
-    print(f"{layers} MatMul layers of {width}x{width}; training {ADAPTERS or 'the biases only'} with Adam, "
+    print(f"{layers} MatMul layers of {width}x{width}; training {adapters or 'the biases only'} with Adam, "
           f"batch 64, 3 steps")
     for base, result in results.items():
         figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -147,10 +146,11 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=3162)
     parser.add_argument("--quantized", action="store_true",
                         help="adapter-style training on an int8 weight-only base vs the float32 base")
+    parser.add_argument("--biases", action="store_true", help="with --quantized: train the biases, not LoRA")
     arguments = parser.parse_args()
     environment = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}
     if arguments.quantized:
-        quantized_rows(arguments.layers, arguments.width, environment)
+        quantized_rows(arguments.layers, arguments.width, environment, None if arguments.biases else ADAPTERS)
         return 0
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / "wide.onnx")

@@ -65,8 +65,9 @@ class GraphPlan:
     # The plan's depth (see plan_depth), worked out once.
     depth: int | None = None
     # Output name -> the DequantizeLinear node computing it from stored tensors only (a
-    # quantized weight), worked out at the first walk of a model with quantized weights.
-    dequantizers: dict[str, NodeSpec] | None = None
+    # quantized weight), and the Transpose/Identity nodes after it, worked out at the first
+    # walk of a model with quantized weights.
+    dequantizers: dict[str, list[NodeSpec]] | None = None
 
 
 def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True,
@@ -250,35 +251,50 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
     _bind_outputs(spec, scope.maps[0], result)
 
 
-def _dequantized_inputs(spec: NodeSpec) -> dict[int, NodeSpec]:
-    """The node's inputs (by position) that a DequantizeLinear of stored tensors computes."""
+# Ops a dequantized weight may pass through on its way to the node that computes with it.
+_WEIGHT_LAYOUT_OPS = frozenset({"Transpose", "Identity"})
+
+
+def _dequantized_inputs(spec: NodeSpec) -> dict[int, list[NodeSpec]]:
+    """The node's inputs (by position) that a DequantizeLinear of stored tensors computes,
+    directly or through Transpose/Identity nodes: each as that chain of nodes."""
     plan = spec.graph
     if plan is None:
         return {}
     if plan.dequantizers is None:
         produced = {name for node in plan.nodes for name in node.proto.output if name}
-        plan.dequantizers = {node.proto.output[0]: node for node in plan.nodes
-                             if node.proto.op_type == "DequantizeLinear" and node.proto.output
-                             and not {name for name in node.proto.input if name} & produced}
+        chains: dict[str, list[NodeSpec]] = {}
+        for node in plan.nodes:
+            inputs = [name for name in node.proto.input if name]
+            if not node.proto.output or normalize_domain(node.proto.domain) != "":
+                continue
+            if node.proto.op_type == "DequantizeLinear" and not set(inputs) & produced:
+                chains[node.proto.output[0]] = [node]
+            elif node.proto.op_type in _WEIGHT_LAYOUT_OPS and len(inputs) == 1 and inputs[0] in chains:
+                chains[node.proto.output[0]] = [*chains[inputs[0]], node]
+        plan.dequantizers = chains
     return {index: plan.dequantizers[name] for index, name in enumerate(spec.proto.input)
             if name in plan.dequantizers}
 
 
-def _call_dequantizing(spec: NodeSpec, node: Node, inputs: list[Any], late: dict[int, NodeSpec],
+def _call_dequantizing(spec: NodeSpec, node: Node, inputs: list[Any], late: dict[int, list[NodeSpec]],
                        scope: ChainMap, evaluation: Evaluation) -> Any:
     """The node's result with each dequantized weight among its inputs dequantized here, from
     the integers, and again when the backward pass reaches the node: no step keeps a
     layer's float weight from its forward pass to its backward pass (see translate.recompute)."""
     traced = [index for index, value in enumerate(inputs) if index not in late and not is_host(value)]
-    stored = {index: [scope[name] if name else None for name in dequantizer.proto.input]
-              for index, dequantizer in late.items()}
+    stored = {index: [scope[name] if name else None for name in chain[0].proto.input]
+              for index, chain in late.items()}
 
     def consumer(values: list[Any], operands: dict[int, list[Any]]) -> Any:
         full = list(inputs)
         for index, value in zip(traced, values):
             full[index] = value
-        for index, dequantizer in late.items():
-            full[index] = _call(dequantizer, Node(dequantizer, evaluation, scope, False), operands[index])
+        for index, chain in late.items():
+            value = _call(chain[0], Node(chain[0], evaluation, scope, False), operands[index])
+            for step in chain[1:]:
+                value = _call(step, Node(step, evaluation, scope, False), [value])
+            full[index] = value
         return _call(spec, node, full)
 
     return recomputed(consumer, [inputs[index] for index in traced], stored, after_first=True)

@@ -246,3 +246,16 @@ def test_lora_on_onnxruntimes_int8_llama_trains_like_lora_on_its_float_weights(l
     (served,) = onnxruntime_outputs(onnx.load(path), {"input_ids": ids})
     inferred = np.asarray(ours.infer({"input_ids": ids})["logits"])
     np.testing.assert_allclose(served, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, qdq", [(8, False), (4, True)], ids=["int8", "int4-qdq"])
+def test_lora_on_a_quantized_base_dequantizes_one_layer_at_a_time(bits, qdq):
+    """With adapters too (whose base product reads the weight through a Transpose in the
+    standard form of MatMulNBits) the step's scratch stays far below the float weights."""
+    model = deep_mlp(LAYERS, WIDTH)
+    batch = {"x": np.ones((BATCH, WIDTH), np.float32), "labels": np.zeros((BATCH, WIDTH), np.float32)}
+    tuner = onnxtrain.finetune(quantized(model, bits, False, qdq, block_size=32).SerializeToString(), "mse",
+                               optax.adam(1e-3), adapters=onnxtrain.LoRA(rank=4, alpha=8, targets=["*"]))
+    assert len(tuner.state_names) >= 2 * LAYERS
+    assert _temp_bytes(tuner, batch) < LAYERS * WIDTH * WIDTH * 4 / 4
