@@ -246,6 +246,11 @@ def test_lora_on_onnxruntimes_int8_llama_trains_like_lora_on_its_float_weights(l
     (served,) = onnxruntime_outputs(onnx.load(path), {"input_ids": ids})
     inferred = np.asarray(ours.infer({"input_ids": ids})["logits"])
     np.testing.assert_allclose(served, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
+    # The adapter file, applied again to the quantized base as onnxruntime wrote it.
+    ours.export(tmp_path / "branch.onnx", merge=False)
+    reapplied = onnxtrain.apply_adapters(base.SerializeToString(), tmp_path / "branch.adapter.onnx")
+    (again,) = onnxruntime_outputs(onnx.ModelProto.FromString(reapplied.SerializeToString()), {"input_ids": ids})
+    np.testing.assert_allclose(again, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
 
 
 @pytest.mark.slow
