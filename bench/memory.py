@@ -22,7 +22,13 @@ constants viewed in the read-only map of the side file, so the target there is
 the weights' bytes plus the trainable state and its slots plus activations, at
 most 1.2x (issue 35).
 
-Usage: python bench/memory.py [--layers 10] [--width 3162] [--adapters lora|bias]
+With --quantized it measures adapter-style training on a quantized base instead: the same
+MatMul stack as a float32 file and as ONNX Runtime's int8 weight-only quantization of it
+(MatMulNBits, bits=8), each fine-tuned in a fresh process with LoRA adapters on every
+MatMul (ADAPTERS; --biases trains the biases instead), reporting peak RSS and the compiled
+step's scratch bytes for both bases. Needs onnxruntime.
+
+Usage: python bench/memory.py [--layers 10] [--width 3162] [--adapters lora|bias] [--quantized [--biases]]
 """
 
 from __future__ import annotations
@@ -85,6 +91,73 @@ print(json.dumps({"baseline": baseline, "after_load": after_load, "peak": hwm(),
 
 RUNS = {"step": "3 Trainer.step calls", "fit": "fit(8 batches, steps_per_call=4)"}
 
+BUILD_BASES = """
+import sys, numpy as np, onnx
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+layers, width, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rng = np.random.default_rng(0)
+nodes, weights, previous = [], [], "x"
+for i in range(layers):
+    weights.append(numpy_helper.from_array(
+        rng.standard_normal((width, width), dtype=np.float32) * np.float32(width ** -0.5), f"W{i}"))
+    weights.append(numpy_helper.from_array(np.zeros(width, np.float32) + np.float32(0.01 * i), f"b{i}"))
+    nodes.append(helper.make_node("MatMul", [previous, f"W{i}"], [f"m{i}"]))
+    nodes.append(helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]))
+    previous = f"h{i}"
+    nodes.append(helper.make_node("Tanh" if i < layers - 1 else "Identity", [f"a{i}"], [previous]))
+graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                          [helper.make_tensor_value_info(previous, TensorProto.FLOAT, ["batch", width])], weights)
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+quantizer = MatMulNBitsQuantizer(onnx.ModelProto.FromString(model.SerializeToString()), bits=8, block_size=128,
+                                 is_symmetric=True)
+quantizer.process()
+onnx.save(quantizer.model.model, folder + "/int8.onnx", save_as_external_data=True, location="int8.onnx.data")
+onnx.save(model, folder + "/fp32.onnx", save_as_external_data=True, location="fp32.onnx.data")
+"""
+
+# What trains in the quantized-base rows: LoRA adapters on every MatMul (as source text for
+# the measuring process); --biases trains only the biases instead.
+ADAPTERS = "onnxtrain.LoRA(rank=16, alpha=32, targets=['*'])"
+
+MEASURE_ADAPTED = """
+import json, sys, numpy as np, optax, onnxtrain
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+baseline = hwm()
+path, width, layers, adapters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+options = ({"trainable": [f"b{i}" for i in range(layers)]} if adapters == "None"
+           else {"adapters": eval(adapters)})
+tuner = onnxtrain.finetune(path, "mse", optax.adam(1e-4), **options)
+after_load = hwm()
+batch = {"x": np.ones((64, width), np.float32), "labels": np.zeros((64, width), np.float32)}
+scratch = tuner.lowered(batch).compile().memory_analysis().temp_size_in_bytes
+for _ in range(3):
+    float(tuner.step(batch)["loss"])
+print(json.dumps({"baseline": baseline, "after_load": after_load, "peak": hwm(), "scratch": scratch}))
+"""
+
+
+def quantized_rows(layers: int, width: int, environment: dict[str, str], adapters: str | None) -> None:
+    """Adapter-style training on the float32 base and on its int8 quantization: peak RSS."""
+    mib = 2 ** 20
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run([sys.executable, "-c", BUILD_BASES, str(layers), str(width), folder], check=True,
+                       env=environment, stdout=subprocess.DEVNULL)
+        sizes = {base: sum(p.stat().st_size for p in Path(folder).glob(f"{base}.onnx*")) for base in ("fp32", "int8")}
+        results = {base: subprocess.run(
+            [sys.executable, "-c", MEASURE_ADAPTED, str(Path(folder) / f"{base}.onnx"), str(width), str(layers),
+             str(adapters)], check=True, capture_output=True, text=True, env=environment)
+            for base in ("fp32", "int8")}
+    print(f"{layers} MatMul layers of {width}x{width}; training {adapters or 'the biases only'} with Adam, "
+          f"batch 64, 3 steps")
+    for base, result in results.items():
+        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"{base} base: files {sizes[base] / mib:.0f} MiB, baseline {figures['baseline'] / mib:.0f} MiB, "
+              f"after load {figures['after_load'] / mib:.0f} MiB, peak {figures['peak'] / mib:.0f} MiB "
+              f"(peak - baseline {(figures['peak'] - figures['baseline']) / mib:.0f} MiB), compiled step "
+              f"scratch {figures['scratch'] / mib:.1f} MiB")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -92,8 +165,14 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=3162)
     parser.add_argument("--adapters", choices=("lora", "bias"), default="lora",
                         help="what trains in the adapter-style rows")
+    parser.add_argument("--quantized", action="store_true",
+                        help="adapter-style training on an int8 weight-only base vs the float32 base")
+    parser.add_argument("--biases", action="store_true", help="with --quantized: train the biases, not LoRA")
     arguments = parser.parse_args()
     environment = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"}
+    if arguments.quantized:
+        quantized_rows(arguments.layers, arguments.width, environment, None if arguments.biases else ADAPTERS)
+        return 0
     sizes = [str(arguments.layers), str(arguments.width)]
     with tempfile.TemporaryDirectory() as folder:
         path, adapted = str(Path(folder) / "wide.onnx"), str(Path(folder) / "adapted" / "wide.onnx")

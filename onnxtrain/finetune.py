@@ -37,6 +37,7 @@ from onnxtrain.metrics import MetricsArgument
 from onnxtrain.proto import GraphProto, ModelProto
 from onnxtrain.state.store import StateStore
 from onnxtrain.translate.graph import iter_initializers
+from onnxtrain.translate.recompute import recompute_mode
 
 # optax is imported where it is used, so `import onnxtrain` stays light for those who never
 # fine-tune with it.
@@ -69,9 +70,11 @@ class FineTuner(Core):
                  label: str = "labels", seed: int = 0, mesh: Mesh | None = None, nan_policy: str = "raise",
                  train_mode: bool = True, freeze_batchnorm: bool = False,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, repair: Iterable[str] | str | None = None,
-                 ignore_index: int | None = None, adapters: LoRA | None = None):
+                 ignore_index: int | None = None, adapters: LoRA | None = None,
+                 recompute: bool | str | None = None):
         """See finetune()."""
         check_policy(nan_policy)
+        mode = recompute_mode(recompute)
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         source, model = model, load_model(model)
@@ -100,7 +103,7 @@ class FineTuner(Core):
         model = without_payloads(model, home)
         place = placement(mesh, model, {name: value.shape for name, value in store.values.items()})
         step = OptaxStep(model, part, names, optimizer, slot_names, slot_tree, label,
-                         loss if callable(loss) else None, place)
+                         loss if callable(loss) else None, place, mode)
         inference = InferenceProgram(model, list(home), place, limit)
         super().__init__(model, store, place, [step], nan_policy, inference, home, names, limit=limit,
                          evaluations=[_evaluation(model, part, label, loss, list(home), place, limit)])
@@ -171,7 +174,8 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
              trainable: Trainable = None, label: str = "labels", ignore_index: int | None = None, seed: int = 0,
              mesh: Mesh | None = None, nan_policy: str = "raise", train_mode: bool = True,
              freeze_batchnorm: bool = False, max_programs: int = DEFAULT_MAX_PROGRAMS,
-             repair: Iterable[str] | str | None = None, adapters: LoRA | None = None) -> FineTuner:
+             repair: Iterable[str] | str | None = None, adapters: LoRA | None = None,
+             recompute: bool | str | None = None) -> FineTuner:
     """A FineTuner that trains `model`'s weights with an optax optimizer.
 
     Args:
@@ -203,6 +207,14 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
             left is warned about once.
         adapters: an onnxtrain.LoRA: train low-rank adapters (A and B, plus the base weights
             `trainable` names) instead of the weights, as make_training_model(adapters=) does.
+            On a quantized base (DequantizeLinear of integer weights) the adapters sit on
+            the dequantized weights, which stay integers (QLoRA-style).
+        recompute: True (or "blocks") recomputes the forward pass's activations in the
+            backward pass, one segment of about sqrt(n) nodes at a time, instead of keeping
+            them all: less peak memory for more compute, the same results. Quantized
+            weights (DequantizeLinear of an integer initializer, MatMulNBits) are always
+            dequantized where they are used and recomputed in the backward pass, never
+            held as a float model.
 
     Returns:
         A FineTuner: step(), fit(), evaluate(), infer(), export(), checkpoints.
@@ -223,4 +235,4 @@ def finetune(model: ModelSource, loss: str | GraphProto | LossFunction,
 
         optimizer = optax.adam(1e-3)
     return FineTuner(model, loss, optimizer, output, trainable, label, seed, mesh, nan_policy, train_mode,
-                     freeze_batchnorm, max_programs, repair, ignore_index, adapters)
+                     freeze_batchnorm, max_programs, repair, ignore_index, adapters, recompute)

@@ -32,6 +32,7 @@ from onnxtrain.proto import ModelProto
 from onnxtrain.state.store import StateStore, StateView
 from onnxtrain.translate.graph import iter_initializers
 from onnxtrain.translate.model import static_input_names
+from onnxtrain.translate.recompute import recompute_mode
 from onnxtrain.translate.registry import model_opsets
 
 
@@ -66,7 +67,8 @@ class Trainer(Core):
     """
 
     def __init__(self, model: ModelSource, seed: int | None = None, nan_policy: str = "raise",
-                 mesh: Mesh | None = None, max_programs: int = DEFAULT_MAX_PROGRAMS):
+                 mesh: Mesh | None = None, max_programs: int = DEFAULT_MAX_PROGRAMS,
+                 recompute: bool | str | None = None):
         """Load `model` (a path, bytes, file object or ModelProto that has training_info).
 
         Args:
@@ -80,6 +82,9 @@ class Trainer(Core):
             max_programs: compiled programs kept per step, evaluation and inference program,
                 one per feed signature (shapes and dtypes); the least recently used is dropped
                 beyond it, and a warning says which input keeps changing shape.
+            recompute: True (or "blocks") recomputes the forward pass's activations in the
+                backward pass, one segment of about sqrt(n) nodes at a time, instead of
+                keeping them all: less peak memory for more compute, the same results.
 
         Raises:
             ModelLoadError, UnsupportedOpError: the model cannot be read or translated.
@@ -87,6 +92,7 @@ class Trainer(Core):
             InputError: a bad nan_policy, mesh or max_programs.
         """
         check_policy(nan_policy)
+        mode = recompute_mode(recompute)
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         model = load_model(model)
@@ -106,7 +112,7 @@ class Trainer(Core):
         variables = [*layout.names, *hyper]
         self._initializations = [InitializationProgram(model, i) if info.HasField("initialization") else None
                                  for i, info in enumerate(model.training_info)]
-        steps = [GraphStep(model, i, variables, place) for i in range(len(model.training_info))]
+        steps = [GraphStep(model, i, variables, place, mode) for i in range(len(model.training_info))]
         evaluations = [recorded_evaluation(model, i, variables, place, limit) for i in range(len(steps))]
         super().__init__(model, store, place, steps, nan_policy, InferenceProgram(model, variables, place, limit),
                          home, layout.names, [p for p in self._initializations if p is not None], limit,

@@ -31,6 +31,7 @@ from onnxtrain.translate.node import (
     node_label,
     sparse_to_dense,
 )
+from onnxtrain.translate.recompute import recomputed, run_segments
 from onnxtrain.translate.tensors import MAX_RANK, tensor_to_numpy
 from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.validation import check_graph, initializer_names
@@ -63,6 +64,10 @@ class GraphPlan:
     groups: dict[int, NodeGroup] | None = None
     # The plan's depth (see plan_depth), worked out once.
     depth: int | None = None
+    # Output name -> the DequantizeLinear node computing it from stored tensors only (a
+    # quantized weight), and the Transpose/Identity nodes after it, worked out at the first
+    # walk of a model with quantized weights.
+    dequantizers: dict[str, list[NodeSpec]] | None = None
 
 
 def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True,
@@ -231,6 +236,10 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
         # Not control flow, which passes values on to subgraphs whose nodes decide for themselves.
         inputs = as_operands(inputs, spec.static_inputs)
     node = Node(spec, evaluation, scope, host)
+    late = _dequantized_inputs(spec) if evaluation.quantized and not host else {}
+    if late and not spec.random and not spec.subgraphs:
+        _bind_outputs(spec, scope.maps[0], _call_dequantizing(spec, node, inputs, late, scope, evaluation))
+        return
     if host and not spec.random:
         with jax.ensure_compile_time_eval():
             result = _call(spec, node, inputs)
@@ -240,6 +249,55 @@ def run_node(spec: NodeSpec, scope: ChainMap, evaluation: Evaluation) -> None:
         if evaluation.eager:
             result = _concrete_to_host(result)
     _bind_outputs(spec, scope.maps[0], result)
+
+
+# Ops a dequantized weight may pass through on its way to the node that computes with it.
+_WEIGHT_LAYOUT_OPS = frozenset({"Transpose", "Identity"})
+
+
+def _dequantized_inputs(spec: NodeSpec) -> dict[int, list[NodeSpec]]:
+    """The node's inputs (by position) that a DequantizeLinear of stored tensors computes,
+    directly or through Transpose/Identity nodes: each as that chain of nodes."""
+    plan = spec.graph
+    if plan is None:
+        return {}
+    if plan.dequantizers is None:
+        produced = {name for node in plan.nodes for name in node.proto.output if name}
+        chains: dict[str, list[NodeSpec]] = {}
+        for node in plan.nodes:
+            inputs = [name for name in node.proto.input if name]
+            if not node.proto.output or normalize_domain(node.proto.domain) != "":
+                continue
+            if node.proto.op_type == "DequantizeLinear" and not set(inputs) & produced:
+                chains[node.proto.output[0]] = [node]
+            elif node.proto.op_type in _WEIGHT_LAYOUT_OPS and len(inputs) == 1 and inputs[0] in chains:
+                chains[node.proto.output[0]] = [*chains[inputs[0]], node]
+        plan.dequantizers = chains
+    return {index: plan.dequantizers[name] for index, name in enumerate(spec.proto.input)
+            if name in plan.dequantizers}
+
+
+def _call_dequantizing(spec: NodeSpec, node: Node, inputs: list[Any], late: dict[int, list[NodeSpec]],
+                       scope: ChainMap, evaluation: Evaluation) -> Any:
+    """The node's result with each dequantized weight among its inputs dequantized here, from
+    the integers, and again when the backward pass reaches the node: no step keeps a
+    layer's float weight from its forward pass to its backward pass (see translate.recompute)."""
+    traced = [index for index, value in enumerate(inputs) if index not in late and not is_host(value)]
+    stored = {index: [scope[name] if name else None for name in chain[0].proto.input]
+              for index, chain in late.items()}
+
+    def consumer(values: list[Any], operands: dict[int, list[Any]]) -> Any:
+        full = list(inputs)
+        for index, value in zip(traced, values):
+            full[index] = value
+        for index, chain in late.items():
+            value = _call(chain[0], Node(chain[0], evaluation, scope, False), operands[index])
+            for step in chain[1:]:
+                value = _call(step, Node(step, evaluation, scope, False), [value])
+            full[index] = value
+        return _call(spec, node, full)
+
+    return recomputed(consumer, [inputs[index] for index in traced], stored, after_first=True)
 
 
 def _check_ranks(spec: NodeSpec, result: Any) -> None:
@@ -371,10 +429,12 @@ def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, An
 
 
 def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any], outer: Mapping[str, Any],
-                   evaluation: Evaluation) -> ChainMap:
+                   evaluation: Evaluation, segmented: bool = False) -> ChainMap:
     """Bind a plan's inputs (in order) and run the nodes at `indices` (in plan order); every
     value then named. `outer` must hold whatever those nodes read that they do not produce.
-    A traced walk evaluates a NodeGroup whose members are all among `indices` as one."""
+    A traced walk evaluates a NodeGroup whose members are all among `indices` as one.
+    segmented: a traced walk of a plan without groups runs its nodes in recomputed
+    segments (activation recomputation, see translate.recompute)."""
     local: dict[str, Any] = dict(plan.constants)
     for name, value in zip(plan.inputs, inputs):
         if name:
@@ -382,6 +442,9 @@ def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any
     scope = ChainMap(local, outer)
     indices = list(indices)
     groups = {} if evaluation.eager else _groups(plan)
+    if segmented and not evaluation.eager and not groups:
+        run_plan_segments(plan, indices, scope, evaluation)
+        return scope
     wanted = set(indices) if groups else set()
     done: set[int] = set()
     for index in indices:
@@ -392,6 +455,25 @@ def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any
         elif index not in done:
             run_node(plan.nodes[index], scope, evaluation)
     return scope
+
+
+def run_plan_segments(plan: GraphPlan, indices: Sequence[int], scope: ChainMap, evaluation: Evaluation,
+                      run: Callable[[NodeSpec, ChainMap, Evaluation], None] | None = None) -> None:
+    """Run the plan's nodes at `indices` in recomputed segments (see recompute.run_segments);
+    `run` evaluates one node (default run_node)."""
+    run = run or run_node
+    nodes = plan.nodes
+
+    def prepare(members: list[int], probe: Callable[[], Any]) -> bool:
+        if not any(nodes[i].random for i in members):
+            return True
+        if any(draws_random(sub) for i in members for sub in nodes[i].subgraphs.values()):
+            return False
+        return evaluation.reserve_draws(probe)
+
+    run_segments(indices, scope, lambda i: node_reads(nodes[i]),
+                 lambda i: [name for name in nodes[i].proto.output if name], prepare,
+                 lambda i, inner: run(nodes[i], inner, evaluation), is_host)
 
 
 def _groups(plan: GraphPlan) -> dict[int, NodeGroup]:

@@ -3,7 +3,9 @@
 TranslatedModel translates once (plans, decoded attributes, constants) and
 compiles once per input signature (jax.jit's cache). Float initializers are
 parameters, passed in rather than baked into the program, so they can be
-differentiated and updated; every other initializer is a host constant.
+differentiated and updated; so are integer weights a DequantizeLinear or MatMulNBits
+dequantizes (never differentiated), so that they are dequantized inside the program, layer
+by layer. Every other initializer is a host constant.
 Graphs that need concrete values (data-dependent shapes, strings) run op by op
 instead, after one log line saying why.
 """
@@ -33,11 +35,28 @@ from onnxtrain.translate.graph import (
     plan_outputs,
 )
 from onnxtrain.translate.node import Evaluation
+from onnxtrain.translate.ops.cast import is_integer
 from onnxtrain.translate.validation import check_graph
 from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
 from onnxtrain.translate.values import HOST_ONLY_DTYPES, NeedsHostValues, is_traced, to_host
 
 logger = logging.getLogger("onnxtrain")
+
+
+# (domain, op) -> the input position of a weight stored as integers that the op dequantizes.
+_QUANTIZED_WEIGHT_INPUTS = {("", "DequantizeLinear"): 0, ("com.microsoft", "DequantizeLinear"): 0,
+                            ("com.microsoft", "MatMulNBits"): 1}
+
+
+def quantized_weights(graph: GraphProto) -> set[str]:
+    """Names the main graph's nodes read as a quantized weight (DequantizeLinear's x,
+    MatMulNBits's B); whether they are integer initializers is the caller's to check."""
+    names = set()
+    for node in graph.node:
+        position = _QUANTIZED_WEIGHT_INPUTS.get((normalize_domain(node.domain), node.op_type))
+        if position is not None and position < len(node.input) and node.input[position]:
+            names.add(node.input[position])
+    return names
 
 
 def static_input_names(graph: GraphProto, opsets: Mapping[str, int]) -> set[str]:
@@ -106,6 +125,9 @@ class TranslatedModel:
         rounded to its dtype: slower, but free of XLA's cross-op fusion (for debugging numerics)."""
         self.name = model.graph.name or "model"
         self.jit = jit
+        # "blocks": a differentiated apply recomputes activations per segment of nodes (set by
+        # the training programs that differentiate it; see translate.recompute).
+        self.recompute: str | None = None
         # Before anything runs: an invalid graph would run and answer wrongly.
         check_graph(model.graph)
         opsets = model_opsets(model.opset_import)
@@ -114,8 +136,12 @@ class TranslatedModel:
         self.supplied = set(supplied)
         decoded = dict(iter_initializers(model.graph, lambda name: name not in self.supplied))
         static = static_input_names(model.graph, opsets)
+        # Quantized weights are arguments too: as host constants, their dequantization would
+        # fold while tracing into float constants of the whole model (see translate.recompute).
+        self.quantized = frozenset(n for n in quantized_weights(model.graph)
+                                   if n in decoded and is_integer(decoded[n].dtype))
         if params is None:
-            params = [n for n, v in decoded.items() if _is_float(v) and n not in static]
+            params = [n for n, v in decoded.items() if (_is_float(v) or n in self.quantized) and n not in static]
         unknown = sorted((set(params) | self.supplied) - set(names))
         if unknown:
             raise InputError(f"params {unknown} are not initializers of the model")
@@ -162,8 +188,9 @@ class TranslatedModel:
                       kept: Iterable[str], eager: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """apply's outputs, and the values of the `kept` names computed on the way (for a caller
         that recomputes the last nodes from them: see apply_nodes)."""
+        evaluation = Evaluation(key, eager, recompute=self.recompute, quantized=bool(self.quantized))
         scope = evaluate_nodes(self.plan, range(len(self.plan.nodes)), self._input_values(params, inputs),
-                               params, Evaluation(key, eager))
+                               params, evaluation, segmented=self.recompute is not None)
         return dict(zip(self.output_names, plan_outputs(self.plan, scope))), {name: scope[name] for name in kept}
 
     def apply_nodes(self, indices: Iterable[int], params: Mapping[str, Any], inputs: Mapping[str, Any],

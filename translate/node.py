@@ -138,13 +138,22 @@ class Evaluation:
     run: the dropout mask a loss was computed with is the one differentiated.
     """
 
-    def __init__(self, key: jax.Array | None, eager: bool, replay_of: Evaluation | None = None):
+    def __init__(self, key: jax.Array | None, eager: bool, replay_of: Evaluation | None = None,
+                 recompute: str | None = None, quantized: bool = False):
+        """recompute: "blocks" to recompute activations per segment of nodes in the backward
+        pass of a forward this run differentiates; quantized: the graph dequantizes integer
+        weights, which a differentiated forward recomputes (see translate.recompute)."""
         self._key = key
         self.eager = eager
         self._replay_of = replay_of
+        self.recompute = recompute if replay_of is None else replay_of.recompute
+        self.quantized = quantized if replay_of is None else replay_of.quantized
         self.drawn: dict[int, jax.Array] = {}
         # Keys drawn ahead by a replay for nodes the forward run has not reached yet.
         self._reserved: dict[int, jax.Array] = {}
+        # Keys drawn ahead for nodes that run inside a recomputed segment (see reserve_draws).
+        self._pinned: dict[int, jax.Array] = {}
+        self._probing: list[int] | None = None
         # What a node group left for a later node of this run, by that node's spec (id): the
         # Gradient op's (y, pullback) from its forward pass under jax.vjp.
         self.handed_on: dict[int, Any] = {}
@@ -153,9 +162,36 @@ class Evaluation:
         """A traced (never eager) evaluation that reuses this run's draws."""
         return Evaluation(None, False, replay_of=self)
 
+    def reserve_draws(self, probe: Callable[[], Any]) -> bool:
+        """Draw ahead the keys of the nodes that `probe` (a run of some nodes, traced for
+        shapes only) draws from, in the order it draws them: for nodes about to run where no
+        key may be split (a recomputed segment, traced again for the backward pass). The
+        numbers are those of a plain run, and every run of such a node gets the same key.
+        False where this run cannot (a replay, or no key)."""
+        if self._replay_of is not None or self._key is None:
+            return False
+        self._probing = []
+        try:
+            probe()
+            order = self._probing
+        finally:
+            self._probing = None
+        for spec_id in order:
+            if spec_id not in self._pinned:
+                self._key, self._pinned[spec_id] = jax.random.split(self._key)
+        return True
+
     def next_key(self, spec: NodeSpec) -> jax.Array:
+        if self._probing is not None:
+            # A shapes-only run (see reserve_draws): note the draw, change nothing.
+            self._probing.append(id(spec))
+            return self._key
         if self._replay_of is not None:
             return self._replay_of._key_for_replay(spec)
+        if id(spec) in self._pinned:
+            # Drawn ahead by reserve_draws(); kept, as a recomputation runs the node again.
+            self.drawn[id(spec)] = self._pinned[id(spec)]
+            return self._pinned[id(spec)]
         if id(spec) in self._reserved:
             subkey = self._reserved.pop(id(spec))
         else:

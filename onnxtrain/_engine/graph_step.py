@@ -38,10 +38,13 @@ class GraphStep(Program):
     """The step of training_info[index], with the state variables `variables` as parameters."""
 
     def __init__(self, model: ModelProto, index: int, variables: Sequence[str],
-                 placement: Placement = DEFAULT_DEVICE):
+                 placement: Placement = DEFAULT_DEVICE, recompute: str | None = None):
+        """recompute: "blocks" to recompute the activations of Gradient nodes' forward passes
+        per segment of nodes (see translate.recompute), None to keep them."""
         info = model.training_info[index]
         super().__init__(model, combined_graph(model, index, set(variables)), variables,
                          f"training_info[{index}]", placement)
+        self.translated.recompute = recompute
         self.bindings = [(entry.key, entry.value) for entry in info.update_binding]
         bound_outputs = {value for _, value in self.bindings}
         self.bound = tuple(key for key, _ in self.bindings)

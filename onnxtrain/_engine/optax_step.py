@@ -38,7 +38,10 @@ class OptaxStep(Program):
 
     def __init__(self, model: ModelProto, objective: Objective, trainable: Sequence[str],
                  optimizer: optax.GradientTransformation, slot_names: Sequence[str], slot_tree: Any,
-                 label: str, loss_function: LossFunction | None, placement: Placement):
+                 label: str, loss_function: LossFunction | None, placement: Placement,
+                 recompute: str | None = None):
+        """recompute: "blocks" to recompute activations per segment of nodes in the backward
+        pass (see translate.recompute), None to keep them."""
         algorithm = objective.graph
         self._loss = objective.loss or objective.prediction
         self._prediction = objective.prediction
@@ -51,6 +54,7 @@ class OptaxStep(Program):
                          "fine-tuning step")
         if loss_function is not None:
             self.check_feeds = FeedChecker([*self.declared_inputs, ValueInfoProto(name=label)], "fine-tuning step")
+        self.translated.recompute = recompute
         self.trainable = tuple(trainable)
         self._optimizer = optimizer
         self._slot_names, self._slot_tree = tuple(slot_names), slot_tree

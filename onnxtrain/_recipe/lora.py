@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from onnxtrain._recipe.objective import Names, Trainable, default_opset, trainable_names
+from onnxtrain._recipe.quantized import standardize_matmul_nbits
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto
@@ -421,6 +422,8 @@ def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str |
         raise BindingError(f"the model already carries adapters (metadata {ADAPTERS_KEY!r}); merge them "
                            "first with onnxtrain.apply_adapters(base, adapter_file, merge=True)")
     extra = [] if trainable is None else trainable_names(model, trainable)
+    # MatMulNBits (onnxruntime's 8/4-bit weights) as DequantizeLinear + MatMul: a quantized base.
+    standardize_matmul_nbits(model)
     chosen = select(model, lora, prediction)
     overlap = sorted({c.name for c in chosen} & set(extra))
     if overlap:

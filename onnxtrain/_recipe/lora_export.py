@@ -17,6 +17,7 @@ from onnxtrain._io.export import replace_initializer
 from onnxtrain._io.external_data import mark_external, uses_external_data
 from onnxtrain._io.model import ModelSource, load_model, save_model
 from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
+from onnxtrain._recipe.quantized import standardize_matmul_nbits
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
@@ -162,6 +163,7 @@ def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool
                              "export(..., merge=False) (its name ends in .adapter.onnx)")
     values = {t.name: tensor_to_numpy(t) for t in adapters.graph.initializer}
     lora = LoRA(record["rank"], record["alpha"], dropout=record["dropout"])
+    standardize_matmul_nbits(model)   # as adapt() did before choosing the targets
     found = candidates(model)
     chosen, factors = [], {}
     for name, entry in record["weights"].items():

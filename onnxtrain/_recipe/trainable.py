@@ -13,12 +13,12 @@ by how the forward pass *consumes* each initializer, never by its name:
   is a bias (along one axis) added to such a product, or where it is an operand of wider elementwise
   arithmetic (position embeddings, layer scales, bias vectors);
 - a use is **not** a weight use where it is an exponent, a Clip bound, a Dropout ratio, a
-  padding value, a comparison operand, a shape or axes operand, a BatchNorm running
-  statistic, an all-zero RNN initial state, or only its shape is read; a single-element
-  operand of elementwise arithmetic is a scale, epsilon or fill value, and an all-zero one
-  with two or more axes longer than one is a folded mask; a tensor holding a value of
-  magnitude 1e30 or more (or Inf/NaN), or only zeros and one value of magnitude 1e3 or
-  more, is a mask or fill value wherever it goes.
+  quantization scale or zero point, a padding value, a comparison operand, a shape or axes
+  operand, a BatchNorm running statistic, an all-zero RNN initial state, or only its shape
+  is read; a single-element operand of elementwise arithmetic is a scale, epsilon or fill
+  value, and an all-zero one with two or more axes longer than one is a folded mask; a
+  tensor holding a value of magnitude 1e30 or more (or Inf/NaN), or only zeros and one
+  value of magnitude 1e3 or more, is a mask or fill value wherever it goes.
 
 An initializer is a weight when any of its uses is a weight use (an exporter that merges
 equal tensors may share one between a weight and a constant role).
@@ -66,6 +66,10 @@ _CONSTANT_POSITIONS: dict[str, tuple[tuple[int, ...], str]] = {
     "Pad": ((2,), "fill value of Pad"),
     "BatchNormalization": ((3, 4), "BatchNorm running statistic"),
     "Range": ((0, 1, 2), "bound of Range"),
+    # A quantized base stays as quantized: its scales and zero points are frozen with it.
+    "DequantizeLinear": ((1, 2), "scale or zero point of a quantized tensor"),
+    "QuantizeLinear": ((1, 2), "scale or zero point of a quantized tensor"),
+    "MatMulNBits": ((2, 3), "scale or zero point of a quantized weight"),
 }
 _ONLY_SHAPE = {"Shape", "Size", "EyeLike", "ConstantOfShape"}
 _COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf"}
