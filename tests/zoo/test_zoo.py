@@ -29,11 +29,19 @@ FOLDED_BN = ("the exporter folded BatchNorm into the convolutions, so the conv w
 # tensor: it trains, as the conv weight it is, but copies neither torch parameter.
 WEIGHT_NORM = "the exporter folded weight_norm's g and v into one convolution weight"
 
+# Train-mode BatchNorm over four values per channel (batch 4 at 1x1 in ShuffleNet's last
+# stages): against float64 torch, onnxtrain's float32 gradients miss by up to 2.4e-5 where
+# torch's float32 ones miss by 4e-6 to 8e-6. A suspect: onnxtrain differentiates the
+# normalization formula, where torch's backward is the fused closed form.
+FEW_BN_VALUES = ("float32 gradients of train-mode BatchNorm over 4 values per channel, 2-6x further from "
+                 "float64 torch than torch's float32 ones")
+
 BATCHNORM = [family.name for family in export_zoo.FAMILIES.values() if family.batchnorm]
 
 # (family, exporter) -> {check: cause}; "*" is every check.
 KNOWN: dict[tuple[str, str], dict[str, str]] = {
     ("wav2vec2", "dynamo"): {"gradients": WEIGHT_NORM},
+    ("tv_shufflenet_v2", export_zoo.KEEP_BATCHNORM): {"gradients": FEW_BN_VALUES},
     **{(name, exporter): {"gradients": FOLDED_BN}
        for name in BATCHNORM for exporter in ("dynamo", "torchscript")},
     # Without batch statistics the folded ResNet's loss rises under Adam (3.6 -> 10.4).
