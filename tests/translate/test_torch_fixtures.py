@@ -115,6 +115,8 @@ def test_script_reproduces_committed_fixtures():
             assert actual.name == reference.name
             assert_arrays_close(numpy_helper.to_array(actual), numpy_helper.to_array(reference), f"{name} {actual.name}")
         del model.graph.initializer[:], expected.graph.initializer[:]
+        # The exporting torch's version stamp is not part of what the fixture pins.
+        model.producer_version = expected.producer_version = ""
         assert model == expected, f"{name}.onnx graph differs"
         assert arrays.keys() == committed.keys(), name
         # A gradient that is zero in exact arithmetic (a conv bias before training-mode
