@@ -27,8 +27,8 @@ from onnxtrain._io.export import without_payloads
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
 from onnxtrain._recipe.evaluation import LossSpec, loss_part
-from onnxtrain._recipe.lora import adapt
-from onnxtrain._recipe.objective import Objective, Trainable, objective, trainable_names
+from onnxtrain._recipe.lora import trained_weights
+from onnxtrain._recipe.objective import Objective, Trainable, objective
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError
 from onnxtrain.data import Data
@@ -79,7 +79,7 @@ class FineTuner(Core):
         enable_compilation_cache()
         source, model = model, load_model(model)
         prepare(model, repair, "finetune")
-        names = trainable_names(model, trainable) if adapters is None else adapt(model, adapters, trainable, output, source)
+        names = trained_weights(model, trainable, adapters, output, source)
         if not names:
             raise BindingError("no trainable weights: the model has no float initializers to train "
                                "(or `trainable` selected none)")

@@ -24,9 +24,9 @@ import numpy as np
 
 from onnxtrain._io.model import ModelSource, load_model
 from onnxtrain._recipe.damage import prepare
-from onnxtrain._recipe.lora import adapt
+from onnxtrain._recipe.lora import trained_weights
 from onnxtrain._recipe.evaluation import LossSpec, record as record_evaluation
-from onnxtrain._recipe.objective import Names, Objective, Trainable, objective, trainable_names
+from onnxtrain._recipe.objective import Names, Objective, Trainable, objective
 from onnxtrain._recipe.training_info import validate
 from onnxtrain._recipe.update import update_nodes
 from onnxtrain import optim
@@ -111,8 +111,8 @@ def make_training_model(
         model: the inference model (a path, bytes, file object or ModelProto).
         loss: required, as for finetune and the command line: "mse", "l1", "cross_entropy"
             (logits vs class indices), "causal_lm" (logits [batch, length, vocabulary] vs the
-            input ids: next-token prediction, -100 ignored), "bce_with_logits", or a graph (prediction, label) ->
-            scalar loss.
+            input ids: next-token prediction, -100 ignored), "bce_with_logits", or a graph
+            (prediction, label) -> scalar loss.
         output: which model output is the prediction (default: the first).
         optimizer: an onnxtrain.optim optimizer (with a learning-rate schedule, clip_norm=,
             accumulate=; AdamW for decoupled weight decay) or one of the names "adam",
@@ -120,9 +120,9 @@ def make_training_model(
         trainable: None for the default weights (see the README), one initializer name, a
             list of names, or a predicate (name, value) -> bool.
         label: the name of the label input the training step takes.
-        ignore_index: for "cross_entropy" and "causal_lm", a label value that contributes nothing (e.g. -100,
-            torch's default); labels are checked against the number of classes before
-            every step.
+        ignore_index: for "cross_entropy" and "causal_lm", a label value that contributes
+            nothing (e.g. -100, torch's default); labels are checked against the number of
+            classes before every step.
         train_mode: run Dropout and BatchNormalization as in training (BatchNorm statistics
             become state) unless freeze_batchnorm.
         reinitialize: weights the initialization graph redraws.
@@ -155,8 +155,7 @@ def make_training_model(
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
     prepare(model, repair, "make_training_model", lift_folded_weights)
-    weights = (trainable_names(model, trainable) if adapters is None
-               else adapt(model, adapters, trainable, output, source))
+    weights = trained_weights(model, trainable, adapters, output, source)
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "
                            "(or `trainable` selected none)")

@@ -406,6 +406,15 @@ def read_record(model: ModelProto) -> dict | None:
     return None
 
 
+def trained_weights(model: ModelProto, trainable: Trainable, adapters: LoRA | None, prediction: str | None,
+                    source: object = None) -> list[str]:
+    """What make_training_model and finetune train: the weights `trainable` selects, or, with
+    adapters, the adapters' factors (and the base weights `trainable` adds; see adapt)."""
+    if adapters is None:
+        return trainable_names(model, trainable)
+    return adapt(model, adapters, trainable, prediction, source)
+
+
 def adapt(model: ModelProto, lora: LoRA, trainable: Trainable, prediction: str | None,
           source: object = None) -> list[str]:
     """Insert `lora`'s adapters into `model` (in place) and return what trains: every A and B,

@@ -53,17 +53,16 @@ def causal_lm(prediction: str, label: str, loss: str, fresh: Names,
     loss compares logits[:, :-1] with labels[:, 1:] (pass the input ids themselves as labels),
     and labels equal to ignore_index (-100 by default, padding) contribute nothing.
     """
-    names = {part: fresh(f"loss.{part}") for part in
-             ("first", "last", "second", "end", "time", "logits", "scores", "targets")}
-    tensors = [scalar(names["first"], [0], np.int64), scalar(names["last"], [-1], np.int64),
-               scalar(names["second"], [1], np.int64),
-               scalar(names["end"], [np.iinfo(np.int64).max], np.int64), scalar(names["time"], [1], np.int64)]
+    names = {part: fresh(f"loss.{part}") for part in ("zero", "one", "last", "end", "logits", "scores", "targets")}
+    # Slice bounds and the time axis (1, as the labels' start): one initializer per value.
+    tensors = [scalar(names[part], [value], np.int64) for part, value in
+               (("zero", 0), ("one", 1), ("last", -1), ("end", np.iinfo(np.int64).max))]
     settings = {} if ignore_index is None else {"ignore_index": int(ignore_index)}
     return [
-        node("Slice", [prediction, names["first"], names["last"], names["time"]], [names["logits"]]),
+        node("Slice", [prediction, names["zero"], names["last"], names["one"]], [names["logits"]]),
         # SoftmaxCrossEntropyLoss takes the classes on axis 1.
         node("Transpose", [names["logits"]], [names["scores"]], perm=[0, 2, 1]),
-        node("Slice", [label, names["second"], names["end"], names["time"]], [names["targets"]]),
+        node("Slice", [label, names["one"], names["end"], names["one"]], [names["targets"]]),
         node("SoftmaxCrossEntropyLoss", [names["scores"], names["targets"]], [loss], reduction="mean",
              **settings),
     ], tensors
