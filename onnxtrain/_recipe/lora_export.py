@@ -179,8 +179,8 @@ def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool
         chosen.append(candidate)
         factors[name] = (values[entry["A"]], values[entry["B"]])
     # Graph order, as at training time, so the branch gets the same names.
-    order = list(found)
-    chosen.sort(key=lambda c: order.index(c.name))
+    position = {name: index for index, name in enumerate(found)}
+    chosen.sort(key=lambda c: position[c.name])
     for name in record.get("trained", []):
         if name not in {t.name for t in model.graph.initializer}:
             raise BindingError(f"the adapter file holds trained weight {name!r}, which the base model lacks "
