@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from onnxtrain._engine.heap import trim_after_long_compilations
 from onnxtrain.errors import InputError, out_of_memory
 from onnxtrain.translate.compiler_options import jit_with_options
 
@@ -103,6 +104,7 @@ class Compiled:
         self._retired = 0  # programs compiled by evicted signatures' jits
         # The signature called last and its program: a training loop's every call after the first.
         self._last: tuple[Signature, Any] | None = None
+        trim_after_long_compilations()
 
     def __call__(self, *args: Any) -> Any:
         try:

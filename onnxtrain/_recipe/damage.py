@@ -102,9 +102,12 @@ def folded_weight(item: NodeProto, min_size: int = FOLDED_WEIGHT_SIZE) -> np.nda
     return value if value.dtype in FLOATS and value.size >= min_size and _weight_like(value) else None
 
 
-def _weight_like(value: np.ndarray) -> bool:
+def _weight_like(value: np.ndarray, whole: bool = True) -> bool:
+    """Finite, with more than two distinct values among its first elements. whole=False checks
+    finiteness on its ends only: a mapped weight is then not read (nor paged in) whole."""
     flat = value.ravel()
-    return bool(np.isfinite(flat).all()) and len(np.unique(flat[:4096])) > 2
+    ends = flat if whole or flat.size <= 8192 else np.concatenate([flat[:4096], flat[-4096:]])
+    return bool(np.isfinite(ends).all()) and len(np.unique(flat[:4096])) > 2
 
 
 def _consumers(graph: GraphProto) -> dict[str, list[NodeProto]]:
@@ -203,7 +206,7 @@ def duplicate_pairs(graph: GraphProto, values: dict[str, np.ndarray] | None = No
     users = _consumers(graph)
     candidates = [(name, value) for name, value in values.items()
                   if value.dtype in FLOATS and value.size >= FOLDED_WEIGHT_SIZE and name in users
-                  and _weight_like(value)]
+                  and _weight_like(value, whole=False)]
     # Prefer a name the source model gave (TorchScript names computed tensors "onnx::...").
     candidates.sort(key=lambda item: item[0].startswith("onnx::"))
     seen: dict[tuple, list[str]] = {}
