@@ -10,6 +10,7 @@ the op has one) and results are cast back to the ONNX output dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -163,10 +164,58 @@ def _batch_norm_apply(x: jax.Array, scale: jax.Array, bias: jax.Array, mean: jax
     return (x - mean) / jnp.sqrt(var + epsilon) * scale + bias
 
 
-def _batch_statistics(x: jax.Array, spatial: bool) -> tuple[jax.Array, jax.Array]:
-    """Mean and population variance of x over the batch (and spatial dims if `spatial`)."""
-    axes = (0,) + tuple(range(2, x.ndim)) if spatial else (0,)
-    return jnp.mean(x, axis=axes), jnp.var(x, axis=axes)
+def _batch_axes(x: jax.Array, spatial: bool) -> tuple[int, ...]:
+    """The axes batch statistics are taken over: the batch (and spatial dims if `spatial`)."""
+    return (0,) + tuple(range(2, x.ndim)) if spatial else (0,)
+
+
+def _accumulated_sum(v: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """sum(v) over `axes` (kept as size-1 dims) with a float64 accumulator where the trace
+    allows one, rounded back to v's dtype: batch sums run over many values, and this is how
+    torch's CPU kernels keep batch statistics and their gradients accurate."""
+    wide = jnp.promote_types(v.dtype, jax.dtypes.canonicalize_dtype(np.float64))
+    return jnp.sum(v, axis=axes, keepdims=True, dtype=wide).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _normalize_batch(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float,
+                     axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(scale * (x - mean) / sqrt(var + epsilon) + bias, mean, var) with the batch's mean and
+    population variance over `axes`; scale and bias are shaped like the statistics (the
+    reduced axes kept as size 1).
+
+    Its backward pass is the closed form (as torch's is), its sums accumulated like the
+    forward's, rather than autodiff's derivative of each step of the forward."""
+    return _normalize_batch_forward(x, scale, bias, epsilon, axes)[0]
+
+
+def _normalize_batch_forward(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float,
+                             axes: tuple[int, ...]) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    count = math.prod(x.shape[axis] for axis in axes)
+    mean = _accumulated_sum(x, axes) / count
+    centered = x - mean
+    var = _accumulated_sum(centered * centered, axes) / count
+    inv_std_dev = 1 / jnp.sqrt(var + epsilon)
+    y = centered * inv_std_dev * scale + bias
+    return (y, mean, var), (x, mean, inv_std_dev, scale)
+
+
+def _normalize_batch_backward(epsilon: float, axes: tuple[int, ...], residuals: tuple[jax.Array, ...],
+                              cotangents: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, mean, inv_std_dev, scale = residuals
+    d_y, d_mean, d_var = cotangents
+    count = math.prod(x.shape[axis] for axis in axes)
+    centered = x - mean
+    normalized = centered * inv_std_dev
+    d_bias = _accumulated_sum(d_y, axes)
+    d_scale = _accumulated_sum(d_y * normalized, axes)
+    d_x = (scale * inv_std_dev) * (d_y - (d_bias + normalized * d_scale) / count)
+    # The mean and variance are outputs too (running statistics, the op's optional outputs).
+    d_x = d_x + (d_mean + 2 * d_var * centered) / count
+    return d_x, d_scale, d_bias
+
+
+_normalize_batch.defvjp(_normalize_batch_forward, _normalize_batch_backward)
 
 
 def _batch_norm(node: Node, x: ArrayLike, scale: ArrayLike, bias: ArrayLike, mean: ArrayLike,
@@ -181,8 +230,10 @@ def _batch_norm(node: Node, x: ArrayLike, scale: ArrayLike, bias: ArrayLike, mea
     if not training:
         return (_batch_norm_apply(xw, scale, bias, mean, var, epsilon, spatial).astype(x.dtype),)
     momentum = float_attr(node, "momentum", 0.9)
-    batch_mean, batch_var = _batch_statistics(xw, spatial)
-    y = _batch_norm_apply(xw, scale, bias, batch_mean, batch_var, epsilon, spatial)
+    axes = _batch_axes(xw, spatial)
+    kept = tuple(1 if axis in axes else size for axis, size in enumerate(xw.shape))
+    y, batch_mean, batch_var = _normalize_batch(xw, scale.reshape(kept), bias.reshape(kept), epsilon, axes)
+    batch_mean, batch_var = batch_mean.reshape(scale.shape), batch_var.reshape(scale.shape)
     running_mean = mean * momentum + batch_mean * (1 - momentum)
     running_var = var * momentum + batch_var * (1 - momentum)
     statistics = (running_mean, running_var, batch_mean, batch_var)
