@@ -1,0 +1,422 @@
+"""Reverse-mode rules: for each primitive ONNX op, its vector-Jacobian product in ONNX nodes.
+
+A rule is called as rule(emitter, node, grads, needed): `grads` holds, per output
+of the forward node, the name of the gradient of the differentiated value with
+respect to that output (None when no gradient reaches it); `needed[i]` says
+whether input i lies on a path from the differentiated tensors. It returns one
+gradient name (or None) per input, shaped like that input. Composite ops
+(Gemm, BatchNormalization, the losses...) never reach a rule: decompose.py
+rewrites them into these primitives first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from onnxtrain._portable.emitter import Emitter, attr, label
+from onnxtrain.errors import ExportError
+from onnxtrain.proto import NodeProto
+from onnxtrain.translate.tensors import data_type_of, numpy_to_tensor
+
+Grads = list[str | None]
+Rule = Callable[[Emitter, NodeProto, Grads, list[bool]], Grads]
+RULES: dict[str, Rule] = {}
+
+# Ops whose outputs carry no gradient (integer, boolean or piecewise-constant results): their
+# outputs count as constants, as jax.vjp treats them.
+CONSTANT_OPS = frozenset({
+    "Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And",
+    "Or", "Xor", "ArgMax", "ArgMin", "OneHot", "ConstantOfShape", "Range", "NonZero", "Floor",
+    "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Constant", "EyeLike", "RandomNormalLike",
+    "RandomUniformLike", "Trilu_mask", "BitShift",
+})
+
+
+def rule(*op_types: str) -> Callable[[Rule], Rule]:
+    """Register the decorated function as the VJP rule of `op_types`."""
+    def register(function: Rule) -> Rule:
+        for op_type in op_types:
+            RULES[op_type] = function
+        return function
+    return register
+
+
+def _only(grads: Grads, node: NodeProto) -> str:
+    if grads[0] is None:
+        raise ExportError(f"portable export: {label(node)}: no gradient reaches its first output")
+    return grads[0]
+
+
+def _inputs(node: NodeProto) -> list[str]:
+    return list(node.input)
+
+
+# -- elementwise ------------------------------------------------------------------------------
+
+@rule("Identity")
+def _identity(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [grads[0]]
+
+
+@rule("Add")
+def _add(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    return [e.sum_to(g, a, y) if needed[0] else None, e.sum_to(g, b, y) if needed[1] else None]
+
+
+@rule("Sum")
+def _sum(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, y = _only(grads, node), node.output[0]
+    return [e.sum_to(g, x, y) if want else None for x, want in zip(node.input, needed)]
+
+
+@rule("Sub")
+def _sub(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    return [e.sum_to(g, a, y) if needed[0] else None,
+            e.sum_to(e.add("Neg", [g], "dB_neg"), b, y) if needed[1] else None]
+
+
+@rule("Mul")
+def _mul(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    return [e.sum_to(e.add("Mul", [g, b], "dA"), a, y) if needed[0] else None,
+            e.sum_to(e.add("Mul", [g, a], "dB"), b, y) if needed[1] else None]
+
+
+@rule("Div")
+def _div(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    da = e.sum_to(e.add("Div", [g, b], "dA"), a, y) if needed[0] else None
+    db = None
+    if needed[1]:  # d(a/b)/db = -(a/b)/b
+        db = e.add("Neg", [e.add("Div", [e.add("Mul", [g, y], "g_y"), b], "g_y_b")], "dB")
+        db = e.sum_to(db, b, y)
+    return [da, db]
+
+
+@rule("Pow")
+def _pow(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    exponent = b if e.dtype(b) == e.dtype(a) else e.cast_like(b, a, "exponent")
+    da = db = None
+    if needed[0]:  # b * a^(b-1)
+        lowered = e.add("Sub", [exponent, e.scalar(1, a)], "exponent_minus_1")
+        slope = e.add("Mul", [exponent, e.add("Pow", [a, lowered], "a_pow")], "slope")
+        da = e.sum_to(e.add("Mul", [g, slope], "dA"), a, y)
+    if needed[1]:  # a^b * log(a)
+        db = e.add("Mul", [e.add("Mul", [g, y], "g_y"), e.add("Log", [a], "log_a")], "dB")
+        db = e.sum_to(db, b, y)
+    return [da, db]
+
+
+@rule("Neg")
+def _neg(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Neg", [_only(grads, node)], "dX")]
+
+
+@rule("Relu")
+def _relu(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x = node.input[0]
+    positive = e.add("Greater", [x, e.scalar(0, x)], "positive")
+    return [e.add("Where", [positive, _only(grads, node), e.scalar(0, x)], "dX")]
+
+
+@rule("LeakyRelu")
+def _leaky_relu(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x, g = node.input[0], _only(grads, node)
+    positive = e.add("Greater", [x, e.scalar(0, x)], "positive")
+    leaked = e.add("Mul", [g, e.scalar(attr(node, "alpha", 0.01), x)], "leaked")
+    return [e.add("Where", [positive, g, leaked], "dX")]
+
+
+@rule("Sqrt")
+def _sqrt(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y = node.output[0]
+    twice = e.add("Mul", [y, e.scalar(2, y)], "twice_sqrt")
+    return [e.add("Div", [_only(grads, node), twice], "dX")]
+
+
+@rule("Exp")
+def _exp(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Mul", [_only(grads, node), node.output[0]], "dX")]
+
+
+@rule("Log")
+def _log(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Div", [_only(grads, node), node.input[0]], "dX")]
+
+
+@rule("Reciprocal")
+def _reciprocal(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y = node.output[0]
+    square = e.add("Mul", [y, y], "y_squared")
+    return [e.add("Neg", [e.add("Mul", [_only(grads, node), square], "g_y2")], "dX")]
+
+
+@rule("Tanh")
+def _tanh(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y = node.output[0]
+    slope = e.add("Sub", [e.scalar(1, y), e.add("Mul", [y, y], "y_squared")], "slope")
+    return [e.add("Mul", [_only(grads, node), slope], "dX")]
+
+
+@rule("Sigmoid")
+def _sigmoid(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y = node.output[0]
+    slope = e.add("Mul", [y, e.add("Sub", [e.scalar(1, y), y], "one_minus_y")], "slope")
+    return [e.add("Mul", [_only(grads, node), slope], "dX")]
+
+
+@rule("Erf")
+def _erf(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x = node.input[0]
+    bell = e.add("Exp", [e.add("Neg", [e.add("Mul", [x, x], "x_squared")], "minus_x_squared")], "bell")
+    slope = e.add("Mul", [bell, e.scalar(2 / math.sqrt(math.pi), x)], "slope")
+    return [e.add("Mul", [_only(grads, node), slope], "dX")]
+
+
+@rule("Abs")
+def _abs(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Mul", [_only(grads, node), e.add("Sign", [node.input[0]], "sign")], "dX")]
+
+
+@rule("Cast")
+def _cast(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.cast_like(_only(grads, node), node.input[0], "dX")]
+
+
+@rule("Where")
+def _where(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    g, (condition, a, b), y = _only(grads, node), node.input, node.output[0]
+    zero = e.scalar(0, y)
+    da = e.sum_to(e.add("Where", [condition, g, zero], "dA"), a, y) if needed[1] else None
+    db = e.sum_to(e.add("Where", [condition, zero, g], "dB"), b, y) if needed[2] else None
+    return [None, da, db]
+
+
+@rule("Max", "Min")
+def _max_min(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """The gradient goes to the inputs equal to the result (to each of them on ties, as
+    ONNX Runtime's training kernels did; jax splits ties, so avoid comparing at ties)."""
+    g, y = _only(grads, node), node.output[0]
+    out: Grads = []
+    for x, want in zip(node.input, needed):
+        if not want:
+            out.append(None)
+            continue
+        chosen = e.add("Equal", [x, y], "chosen")
+        out.append(e.sum_to(e.add("Where", [chosen, g, e.scalar(0, y)], "dX"), x, y))
+    return out
+
+
+# -- linear algebra ---------------------------------------------------------------------------
+
+def _swap_last(e: Emitter, x: str, rank: int, hint: str) -> str:
+    perm = list(range(rank))
+    perm[-2], perm[-1] = perm[-1], perm[-2]
+    return e.add("Transpose", [x], hint, perm=perm)
+
+
+@rule("MatMul")
+def _matmul(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """dA = g @ B^T, dB = A^T @ g, then summed over broadcast batch axes; 1-D operands are
+    given the axis numpy's matmul gives them, and lose it again."""
+    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    a_shape, b_shape = np.shape(e.example(a)), np.shape(e.example(b))
+    a2, b2 = a, b
+    if len(a_shape) == 1:
+        a2, a_shape = e.unsqueeze(a, [0], "A_row"), (1, *a_shape)
+        g = e.unsqueeze(g, [-2] if len(b_shape) > 1 else [0], "g_row")
+    if len(b_shape) == 1:
+        b2, b_shape = e.unsqueeze(b, [1], "B_column"), (*b_shape, 1)
+        g = e.unsqueeze(g, [-1], "g_column")
+    out_batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    out_rank = len(out_batch) + 2
+    da = db = None
+    if needed[0]:
+        da = e.add("MatMul", [g, _swap_last(e, b2, len(b_shape), "B_T")], "dA")
+        da = _sum_to_shape(e, da, a_shape, (*out_batch, a_shape[-2], a_shape[-1]), out_rank)
+        if len(np.shape(e.example(a))) == 1:
+            da = e.squeeze(da, [0], "dA_vector")
+    if needed[1]:
+        db = e.add("MatMul", [_swap_last(e, a2, len(a_shape), "A_T"), g], "dB")
+        db = _sum_to_shape(e, db, b_shape, (*out_batch, b_shape[-2], b_shape[-1]), out_rank)
+        if len(np.shape(e.example(b))) == 1:
+            db = e.squeeze(db, [1], "dB_vector")
+    return [da, db]
+
+
+def _sum_to_shape(e: Emitter, grad: str, shape: Sequence[int], full: Sequence[int], rank: int) -> str:
+    """sum_to for shapes that are not forward tensors (MatMul's promoted operands)."""
+    lead = rank - len(shape)
+    kept = [lead + i for i, size in enumerate(shape[:-2]) if size == 1 and full[lead + i] != 1]
+    if kept:
+        grad = e.reduce("ReduceSum", grad, kept, True, "sum_broadcast")
+    if lead:
+        grad = e.reduce("ReduceSum", grad, range(lead), False, "sum_leading")
+    return grad
+
+
+# -- layout -----------------------------------------------------------------------------------
+
+@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x = node.input[0]
+    return [e.add("Reshape", [_only(grads, node), e.shape(x)], "dX")] + [None] * (len(node.input) - 1)
+
+
+@rule("Expand")
+def _expand(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.sum_to(_only(grads, node), node.input[0], node.output[0]), None]
+
+
+@rule("Transpose")
+def _transpose(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    rank = e.rank(node.input[0])
+    perm = attr(node, "perm") or list(reversed(range(rank)))
+    inverse = [0] * rank
+    for position, axis in enumerate(perm):
+        inverse[axis] = position
+    return [e.add("Transpose", [_only(grads, node)], "dX", perm=inverse)]
+
+
+def _axis_size(e: Emitter, x: str, axis: int) -> str:
+    """The size of axis `axis` of forward tensor `x` as a 1-D int64 tensor."""
+    return e.add("Gather", [e.shape(x), e.ints([axis])], "size")
+
+
+@rule("Concat")
+def _concat(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    rank = e.rank(node.output[0])
+    axis = attr(node, "axis") % rank
+    if len(node.input) == 1:
+        return [_only(grads, node)]
+    sizes = e.add("Concat", [_axis_size(e, x, axis) for x in node.input], "sizes", axis=0)
+    parts = e.add("Split", [_only(grads, node), sizes], "dX", outputs=len(node.input), axis=axis)
+    return [part if want else None for part, want in zip(parts, needed)]
+
+
+@rule("Split")
+def _split(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    axis = attr(node, "axis", 0) % e.rank(node.input[0])
+    parts = [g if g is not None else e.zeros_like(y, "zero_part") for g, y in zip(grads, node.output)]
+    return [e.add("Concat", parts, "dX", axis=axis)] + [None] * (len(node.input) - 1)
+
+
+def _positions(e: Emitter, x: str) -> str:
+    """int64 tensor shaped like forward tensor `x` holding each element's flat index."""
+    size = e.add("Size", [x], "size")
+    flat = e.add("Range", [e.constant(np.int64(0), "zero_i64"), size, e.constant(np.int64(1), "one_i64")],
+                 "flat_positions")
+    return e.add("Reshape", [flat, e.shape(x)], "positions")
+
+
+def _scatter_flat(e: Emitter, x: str, positions: str, g: str) -> str:
+    """Zeros shaped like `x` with g's values added at the flat `positions` (same shape as g)."""
+    zero = numpy_to_tensor(np.zeros(1, e.dtype(x)))
+    size = e.add("Reshape", [e.add("Size", [x], "size"), e.ints([1])], "size_1d")
+    zeros = e.add("ConstantOfShape", [size], "zeros_flat", value=zero)
+    flat_positions = e.add("Reshape", [positions, e.ints([-1])], "flat_positions")
+    flat_g = e.add("Reshape", [g, e.ints([-1])], "flat_g")
+    scattered = e.add("ScatterElements", [zeros, flat_positions, flat_g], "scattered", axis=0,
+                      reduction="add")
+    return e.add("Reshape", [scattered, e.shape(x)], "dX")
+
+
+@rule("Slice")
+def _slice(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """Slice the flat positions of X the same way, then scatter the gradient to them: right for
+    any starts, ends, axes and steps, and for sizes known only at run time."""
+    x = node.input[0]
+    picked = e.add("Slice", [_positions(e, x), *node.input[1:]], "picked_positions")
+    return [_scatter_flat(e, x, picked, _only(grads, node))] + [None] * (len(node.input) - 1)
+
+
+@rule("Gather")
+def _gather(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """ScatterND with reduction add into zeros, the gathered axis moved to the front."""
+    data, indices = node.input[0], node.input[1]
+    rank, index_rank = e.rank(data), e.rank(indices)
+    axis = attr(node, "axis", 0) % rank
+    g = _only(grads, node)
+    size = e.cast_like(_axis_size(e, data, axis), indices, "axis_size")
+    negative = e.add("Less", [indices, e.constant(np.zeros((), e.dtype(indices)), "zero_index")], "negative")
+    wrapped = e.add("Where", [negative, e.add("Add", [indices, size], "wrapped"), indices], "index")
+    index = e.add("Cast", [e.unsqueeze(wrapped, [-1], "index_column")], "index_i64", to=data_type_of(np.int64))
+    if axis:
+        order = [axis, *(i for i in range(rank) if i != axis)]
+        g_order = [*range(axis, axis + index_rank), *range(axis), *range(axis + index_rank, rank - 1 + index_rank)]
+        g = e.add("Transpose", [g], "g_axis_first", perm=g_order)
+        shape = e.add("Gather", [e.shape(data), e.ints(order)], "shape_axis_first")
+    else:
+        shape = e.shape(data)
+    zeros = e.add("ConstantOfShape", [shape], "zeros", value=numpy_to_tensor(np.zeros(1, e.dtype(data))))
+    scattered = e.add("ScatterND", [zeros, index, g], "dX" if not axis else "dX_axis_first", reduction="add")
+    if axis:
+        inverse = [0] * rank
+        for position, source in enumerate(order):
+            inverse[source] = position
+        scattered = e.add("Transpose", [scattered], "dX", perm=inverse)
+    return [scattered, None]
+
+
+# -- reductions and normalizers ---------------------------------------------------------------
+
+def reduce_axes(e: Emitter, node: NodeProto) -> list[int] | None:
+    """The normalized axes a Reduce* node reduces (None: it is the identity)."""
+    rank = e.rank(node.input[0])
+    if len(node.input) > 1 and node.input[1]:
+        axes = [int(a) for a in np.asarray(e.example(node.input[1])).reshape(-1)]
+    else:
+        axes = attr(node, "axes") or []
+    if not axes:
+        return None if attr(node, "noop_with_empty_axes", 0) else list(range(rank))
+    return sorted(a % rank for a in axes)
+
+
+@rule("ReduceSum", "ReduceMean")
+def _reduce(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x, y, g = node.input[0], node.output[0], _only(grads, node)
+    axes = reduce_axes(e, node)
+    rest = [None] * (len(node.input) - 1)
+    if axes is None:
+        return [g, *rest]
+    if not attr(node, "keepdims", 1):
+        g = e.unsqueeze(g, axes, "g_kept")
+    spread = e.add("Expand", [g, e.shape(x)], "dX_spread")
+    if node.op_type == "ReduceMean":
+        count = e.add("Div", [e.cast_like(e.add("Size", [x], "size_x"), x, "size_x_float"),
+                              e.cast_like(e.add("Size", [y], "size_y"), x, "size_y_float")], "count")
+        spread = e.add("Div", [spread, count], "dX")
+    return [spread, *rest]
+
+
+@rule("Softmax")
+def _softmax(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y, g = node.output[0], _only(grads, node)
+    axis = attr(node, "axis", -1) % e.rank(y)
+    dot = e.reduce("ReduceSum", e.add("Mul", [g, y], "g_y"), [axis], True, "g_dot_y")
+    return [e.add("Mul", [y, e.add("Sub", [g, dot], "g_centered")], "dX")]
+
+
+@rule("LogSoftmax")
+def _log_softmax(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y, g = node.output[0], _only(grads, node)
+    axis = attr(node, "axis", -1) % e.rank(y)
+    total = e.reduce("ReduceSum", g, [axis], True, "g_total")
+    return [e.add("Sub", [g, e.add("Mul", [e.add("Exp", [y], "softmax"), total], "softmax_total")], "dX")]
+
+
+@rule("Dropout")
+def _dropout(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """The gradient where the mask kept the value, scaled as the forward was (decompose.py gives
+    every dropping Dropout its mask output; the others became Identity)."""
+    g = _only(grads, node)
+    x = node.input[0]
+    ratio = float(np.asarray(e.example(node.input[1]))) if len(node.input) > 1 and node.input[1] else 0.5
+    kept = e.add("Where", [node.output[1], g, e.scalar(0, x)], "kept")
+    return [e.add("Mul", [kept, e.scalar(1 / (1 - ratio), x)], "dX"), None, None][:len(node.input)]

@@ -1,0 +1,76 @@
+"""Example values of the forward tensors: ranks, dtypes, broadcast axes and constant operands.
+
+The backward is written once for every batch size, but its rules must know each
+forward tensor's rank and dtype, along which axes an operand was broadcast, and
+the values of constant operands (axes, Slice bounds, Dropout ratios). One eager
+run of the forward nodes with onnxtrain's own translator at example feeds
+answers all of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from onnxtrain.errors import ExportError, OnnxTrainError
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+from onnxtrain.proto.make import opset as make_opset
+from onnxtrain.translate.registry import TRAINING_DOMAIN
+from onnxtrain.translate.tensors import numpy_to_tensor
+
+
+def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, TensorProto],
+                   inputs: Sequence[ValueInfoProto], opset: int,
+                   feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor the nodes read or write, evaluated at `feeds`.
+
+    Args:
+        nodes: forward nodes in topological order (no Gradient among them).
+        initializers: every initializer the nodes may read.
+        inputs: the graph inputs (those with an initializer are defaults).
+        opset: the default domain's opset version.
+        feeds: a value for every input without an initializer.
+
+    Returns:
+        name -> numpy value, for the feeds, the initializers and every node output.
+
+    Raises:
+        ExportError: a feed is missing, or the forward cannot run at the feeds.
+    """
+    from onnxtrain.translate.model import TranslatedModel  # the translator is heavy to import
+
+    missing = [v.name for v in inputs if v.name not in initializers and v.name not in feeds]
+    if missing:
+        raise ExportError(f"portable export needs example values of the inputs {missing} (example_feeds) "
+                          "to learn the forward tensors' ranks and dtypes")
+    produced = [name for n in nodes for name in n.output if name]
+    graph = GraphProto(name="portable_forward", node=list(nodes), initializer=list(initializers.values()),
+                       input=[v for v in inputs if v.name not in initializers])
+    if produced:
+        graph.output.add().name = produced[-1]
+    model = ModelProto(ir_version=10, graph=graph,
+                       opset_import=[make_opset("", opset), make_opset(TRAINING_DOMAIN, 1)])
+    try:
+        translated = TranslatedModel(model)
+        with jax.enable_x64(True):
+            # One compiled program for the whole forward: op-by-op runs compile every op.
+            run = jax.jit(lambda params, given, key: translated.apply_keeping(params, given, key, produced)[1])
+            kept = run(translated.params, dict(feeds), jax.random.PRNGKey(0))
+    except OnnxTrainError as error:
+        raise ExportError(f"portable export: the forward nodes do not run at the example feeds: {error}") from error
+    values = {name: np.asarray(value) for name, value in {**translated.plan.constants, **translated.params}.items()}
+    values.update((name, np.asarray(value)) for name, value in feeds.items())
+    values.update((name, np.asarray(value)) for name, value in kept.items())
+    return values
+
+
+def as_tensor(name: str, value: np.ndarray | TensorProto) -> TensorProto:
+    """An initializer as onnxtrain's TensorProto named `name`."""
+    if isinstance(value, np.ndarray) or np.isscalar(value):
+        return numpy_to_tensor(np.asarray(value), name)
+    tensor = TensorProto()
+    tensor.ParseFromString(value.SerializeToString())
+    tensor.name = name
+    return tensor
