@@ -420,3 +420,85 @@ def _dropout(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> G
     ratio = float(np.asarray(e.example(node.input[1]))) if len(node.input) > 1 and node.input[1] else 0.5
     kept = e.add("Where", [node.output[1], g, e.scalar(0, x)], "kept")
     return [e.add("Mul", [kept, e.scalar(1 / (1 - ratio), x)], "dX"), None, None][:len(node.input)]
+
+
+# -- convolution and pooling ------------------------------------------------------------------
+
+def conv_geometry(e: Emitter, node: NodeProto) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(kernel, strides, dilations, pads as [begins..., ends...]) of a Conv or pool node, with
+    auto_pad resolved at the example's spatial sizes (which the backward assumes fixed)."""
+    x = e.example(node.input[0])
+    spatial = list(np.shape(x)[2:])
+    if node.op_type == "Conv":
+        kernel = list(np.shape(e.example(node.input[1]))[2:])
+    else:
+        kernel = list(attr(node, "kernel_shape"))
+    rank = len(spatial)
+    strides = list(attr(node, "strides") or [1] * rank)
+    dilations = list(attr(node, "dilations") or [1] * rank)
+    pads = list(attr(node, "pads") or [0] * (2 * rank))
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        for i in range(rank):
+            out = -(-spatial[i] // strides[i])
+            total = max(0, (out - 1) * strides[i] + dilations[i] * (kernel[i] - 1) + 1 - spatial[i])
+            small, large = total // 2, total - total // 2
+            pads[i], pads[i + rank] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * rank)
+    return kernel, strides, dilations, pads
+
+
+@rule("Conv")
+def _conv(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """dX: ConvTranspose of the gradient with the same weights (output_padding restores the rows
+    the strides skipped); dW: a grouped Conv of the input with the gradient as weights, batch
+    as channels, stride and dilation swapped; dB: the gradient summed over all but channels."""
+    g, x, w, y = _only(grads, node), node.input[0], node.input[1], node.output[0]
+    kernel, strides, dilations, pads = conv_geometry(e, node)
+    group = attr(node, "group", 1)
+    x_shape, y_shape = np.shape(e.example(x)), np.shape(e.example(y))
+    rank = len(kernel)
+    out: Grads = [None] * len(node.input)
+    if needed[0]:
+        padding = [x_shape[2 + i] - ((y_shape[2 + i] - 1) * strides[i] - pads[i] - pads[i + rank]
+                                     + dilations[i] * (kernel[i] - 1) + 1) for i in range(rank)]
+        out[0] = e.add("ConvTranspose", [g, w], "dX", strides=strides, pads=pads, dilations=dilations,
+                       group=group, output_padding=padding, kernel_shape=kernel)
+    if needed[1]:
+        channels_in, channels_out = x_shape[1] // group, y_shape[1] // group
+        spatial = list(range(2, 2 + rank))
+        # X [N, G*Cin, S] -> [Cin, G*N, S]: channel (g, n) of group g; grad [N, G*Cout, O] ->
+        # weights [G*Cout, N, O].
+        x_groups = e.add("Reshape", [x, e.ints([0, group, channels_in, *x_shape[2:]])], "X_groups")
+        x_t = e.add("Transpose", [x_groups], "X_channels_first", perm=[2, 1, 0, *(s + 1 for s in spatial)])
+        x_t = e.add("Reshape", [x_t, e.ints([channels_in, -1, *x_shape[2:]])], "X_batch_as_channels")
+        g_groups = e.add("Reshape", [g, e.ints([0, group, channels_out, *y_shape[2:]])], "g_groups")
+        g_t = e.add("Transpose", [g_groups], "g_channels_first", perm=[1, 2, 0, *(s + 1 for s in spatial)])
+        g_t = e.add("Reshape", [g_t, e.ints([group * channels_out, -1, *y_shape[2:]])], "g_as_weights")
+        dw = e.add("Conv", [x_t, g_t], "dW_transposed", strides=dilations, dilations=strides, pads=pads,
+                   group=group)
+        full = [(x_shape[2 + i] + pads[i] + pads[i + rank] - strides[i] * (y_shape[2 + i] - 1) - 1)
+                // dilations[i] + 1 for i in range(rank)]
+        if full != kernel:  # rows past the last window the forward read
+            dw = e.add("Slice", [dw, e.ints([0] * rank), e.ints(kernel), e.ints(spatial)], "dW_kernel")
+        out[1] = e.add("Transpose", [dw], "dW", perm=[1, 0, *spatial])
+    if len(node.input) > 2 and needed[2]:
+        out[2] = e.reduce("ReduceSum", g, [0, *range(2, 2 + rank)], False, "dB")
+    return out
+
+
+@rule("MaxPool")
+def _max_pool(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """The gradient added at the flat positions MaxPool's Indices output names (decompose.py
+    gives every differentiated MaxPool that output)."""
+    return [_scatter_flat(e, node.input[0], node.output[1], _only(grads, node))]
+
+
+@rule("GlobalAveragePool")
+def _global_average_pool(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x, y = node.input[0], node.output[0]
+    count = e.add("Div", [e.cast_like(e.add("Size", [x], "size_x"), x, "size_x_float"),
+                          e.cast_like(e.add("Size", [y], "size_y"), x, "size_y_float")], "count")
+    spread = e.add("Expand", [_only(grads, node), e.shape(x)], "spread")
+    return [e.add("Div", [spread, count], "dX")]

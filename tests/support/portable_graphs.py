@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
 import onnx
 import onnxruntime
@@ -77,7 +78,7 @@ def run_onnxruntime(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> 
 def run_onnxtrain(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     ours = ModelProto.FromString(model.SerializeToString())
     translated = TranslatedModel(ours)
-    outputs = translated(translated.params, dict(feeds))
+    outputs = translated(translated.params, dict(feeds), jax.random.PRNGKey(0))
     return [np.asarray(outputs[v.name]) for v in model.graph.output]
 
 
