@@ -343,7 +343,9 @@ def _gather(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Gr
     rank, index_rank = e.rank(data), e.rank(indices)
     axis = attr(node, "axis", 0) % rank
     g = _only(grads, node)
-    size = e.cast_like(_axis_size(e, data, axis), indices, "axis_size")
+    # A scalar size: a 1-D one would give a scalar index an axis.
+    size = e.add("Gather", [e.shape(data), e.constant(np.int64(axis), "axis")], "axis_size")
+    size = e.cast_like(size, indices, "axis_size_cast")
     negative = e.add("Less", [indices, e.constant(np.zeros((), e.dtype(indices)), "zero_index")], "negative")
     wrapped = e.add("Where", [negative, e.add("Add", [indices, size], "wrapped"), indices], "index")
     index = e.add("Cast", [e.unsqueeze(wrapped, [-1], "index_column")], "index_i64", to=data_type_of(np.int64))
@@ -370,7 +372,7 @@ def reduce_axes(e: Emitter, node: NodeProto) -> list[int] | None:
     """The normalized axes a Reduce* node reduces (None: it is the identity)."""
     rank = e.rank(node.input[0])
     if len(node.input) > 1 and node.input[1]:
-        axes = [int(a) for a in np.asarray(e.example(node.input[1])).reshape(-1)]
+        axes = [int(a) for a in e.value(node.input[1], f"the axes of {label(node)}").reshape(-1)]
     else:
         axes = attr(node, "axes") or []
     if not axes:
@@ -417,7 +419,7 @@ def _dropout(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> G
     every dropping Dropout its mask output; the others became Identity)."""
     g = _only(grads, node)
     x = node.input[0]
-    ratio = float(np.asarray(e.example(node.input[1]))) if len(node.input) > 1 and node.input[1] else 0.5
+    ratio = float(e.value(node.input[1], f"the ratio of {label(node)}")) if len(node.input) > 1 and node.input[1] else 0.5
     kept = e.add("Where", [node.output[1], g, e.scalar(0, x)], "kept")
     return [e.add("Mul", [kept, e.scalar(1 / (1 - ratio), x)], "dX"), None, None][:len(node.input)]
 

@@ -19,6 +19,14 @@ from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, Valu
 from onnxtrain.proto.make import opset as make_opset
 from onnxtrain.translate.registry import TRAINING_DOMAIN
 from onnxtrain.translate.tensors import numpy_to_tensor
+from onnxtrain.translate.values import is_traced
+
+
+class ExampleValues(dict):
+    """name -> example value; `concrete` names the entries whose values (not only shapes and
+    dtypes) are known: initializers, feeds and what the translator computes from constants."""
+
+    concrete: set[str]
 
 
 def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, TensorProto],
@@ -34,7 +42,9 @@ def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, Tensor
         feeds: a value for every input without an initializer.
 
     Returns:
-        name -> numpy value, for the feeds, the initializers and every node output.
+        name -> numpy value, for the feeds, the initializers and every node output; values
+        that depend on feeds or float weights are zero-strided stand-ins giving only the shape
+        and dtype (see ExampleValues.concrete).
 
     Raises:
         ExportError: a feed is missing, or the forward cannot run at the feeds.
@@ -52,17 +62,29 @@ def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, Tensor
         graph.output.add().name = produced[-1]
     model = ModelProto(ir_version=10, graph=graph,
                        opset_import=[make_opset("", opset), make_opset(TRAINING_DOMAIN, 1)])
+    concrete: dict[str, np.ndarray] = {}
+
+    def forward(params, given, key):
+        _, kept = translated.apply_keeping(params, given, key, produced)
+        # Values the translator folds on the host (shapes, axes, constants) are known while
+        # tracing; the rest are only shapes and dtypes.
+        concrete.update((name, np.asarray(value)) for name, value in kept.items() if not is_traced(value))
+        return {name: value for name, value in kept.items() if is_traced(value)}
+
     try:
         translated = TranslatedModel(model)
         with jax.enable_x64(True):
-            # One compiled program for the whole forward: op-by-op runs compile every op.
-            run = jax.jit(lambda params, given, key: translated.apply_keeping(params, given, key, produced)[1])
-            kept = run(translated.params, dict(feeds), jax.random.PRNGKey(0))
+            # Tracing only: compiling the forward would cost more than the whole expansion.
+            abstract = jax.eval_shape(forward, translated.params, dict(feeds), jax.random.PRNGKey(0))
     except OnnxTrainError as error:
         raise ExportError(f"portable export: the forward nodes do not run at the example feeds: {error}") from error
-    values = {name: np.asarray(value) for name, value in {**translated.plan.constants, **translated.params}.items()}
+    values = ExampleValues({name: np.asarray(value)
+                            for name, value in {**translated.plan.constants, **translated.params}.items()})
     values.update((name, np.asarray(value)) for name, value in feeds.items())
-    values.update((name, np.asarray(value)) for name, value in kept.items())
+    values.concrete = set(values) | set(concrete)
+    values.update(concrete)
+    # A zero-strided array stands for each traced value: its shape and dtype, no memory.
+    values.update((name, np.broadcast_to(np.zeros((), shape.dtype), shape.shape)) for name, shape in abstract.items())
     return values
 
 

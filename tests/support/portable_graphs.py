@@ -3,7 +3,7 @@ onnxtrain (jax.vjp), and the same graph expanded into standard ops, run by stock
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -59,15 +59,34 @@ def gradient_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
 
 
 def expanded_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inputs: Sequence, opset: int,
-                   outputs: Sequence[str], example: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """gradient_model after expand_gradients, checked by onnx.checker (full_check)."""
+                   outputs: Sequence[str], example: Mapping[str, np.ndarray],
+                   ranks: Mapping[str, int] | None = None) -> onnx.ModelProto:
+    """gradient_model after expand_gradients, checked by onnx.checker (full_check, which needs
+    the outputs' ranks: given, or found by running the unexpanded model at `example`)."""
     new_nodes, new_initializers = expand_gradients(nodes, initializers, inputs, opset, example)
-    reference = run_onnxtrain(gradient_model(nodes, initializers, inputs, opset, outputs), example)
-    ranks = {name: np.ndim(value) for name, value in zip(outputs, reference)}
+    if ranks is None:
+        reference = run_onnxtrain(gradient_model(nodes, initializers, inputs, opset, outputs), example)
+        ranks = {name: np.ndim(value) for name, value in zip(outputs, reference)}
     model = gradient_model(new_nodes, initializers, inputs, opset, outputs, new_initializers, ranks)
     assert not any(n.domain == TRAINING for n in model.graph.node)
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def compare_expansion(nodes: Sequence, initializers: Mapping[str, np.ndarray], inputs: Sequence, opset: int,
+                      outputs: Sequence[str], feeds: Callable[[int], dict[str, np.ndarray]],
+                      batches: Sequence[int] = (4, 7), rtol: float = 1e-5) -> float:
+    """Expand the Gradient nodes once (example feeds at batches[0]); at every batch size, the
+    expanded graph in stock onnxruntime gives `outputs` as onnxtrain's Gradient does; at the
+    first, so does the expanded graph run by onnxtrain. Returns the worst relative error."""
+    reference = gradient_model(nodes, initializers, inputs, opset, outputs)
+    expected = {batch: run_onnxtrain(reference, feeds(batch)) for batch in batches}
+    ranks = {name: np.ndim(value) for name, value in zip(outputs, expected[batches[0]])}
+    expanded = expanded_model(nodes, initializers, inputs, opset, outputs, feeds(batches[0]), ranks)
+    worst = assert_close(run_onnxtrain(expanded, feeds(batches[0])), expected[batches[0]], outputs, rtol)
+    for batch in batches:
+        worst = max(worst, assert_close(run_onnxruntime(expanded, feeds(batch)), expected[batch], outputs, rtol))
+    return worst
 
 
 def run_onnxruntime(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
