@@ -18,9 +18,9 @@ import numpy as np
 from onnxtrain._portable.decompose import DECOMPOSITIONS, decompose
 from onnxtrain._portable.emitter import Emitter, attr, label
 from onnxtrain._portable.rules import CONSTANT_OPS, RULES
-from onnxtrain._portable.shapes import as_tensor, example_values
+from onnxtrain._portable.shapes import as_tensor, check_example_sizes, example_values
 from onnxtrain.errors import ExportError
-from onnxtrain.proto import NodeProto, TensorProto, ValueInfoProto
+from onnxtrain.proto import NodeProto, SparseTensorProto, TensorProto, ValueInfoProto
 from onnxtrain.translate.registry import TRAINING_DOMAIN
 from onnxtrain.translate.tensors import numpy_to_tensor
 
@@ -30,7 +30,8 @@ GRADIENT_DOMAINS = frozenset({TRAINING_DOMAIN, "ai.onnx.preview"})
 MIN_OPSET = 16
 
 
-def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.ndarray | TensorProto],
+def expand_gradients(nodes: Sequence[NodeProto],
+                     initializers: Mapping[str, np.ndarray | TensorProto | SparseTensorProto],
                      inputs: Mapping[str, ValueInfoProto] | Sequence[ValueInfoProto], opset: int,
                      example_feeds: Mapping[str, np.ndarray]) -> tuple[list[NodeProto], list[TensorProto]]:
     """Replace every Gradient node by standard ai.onnx nodes computing the same outputs.
@@ -38,11 +39,13 @@ def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.n
     Args:
         nodes: a flat, topologically ordered node list (the main graph's nodes followed by an
             algorithm graph's, as a training step combines them); onnx's or onnxtrain's NodeProto.
-        initializers: name -> value of every initializer the nodes read.
+        initializers: name -> value of every initializer the nodes read (numpy, or a dense or
+            sparse tensor proto of onnx or onnxtrain).
         inputs: the graph inputs (main, then algorithm), by name or as a list.
         opset: the default domain's opset version of the model (at least 16).
         example_feeds: a value for each input without an initializer; only ranks, dtypes and
-            which axes broadcast are learnt from them, so no axis that varies may be 1 here.
+            which axes broadcast are learnt from them, so an axis the inputs leave open (no
+            dim_value) must not be 1 here.
 
     Returns:
         (the new node list, the initializers the new nodes need), as onnxtrain.proto messages.
@@ -66,6 +69,7 @@ def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.n
                           f"imports opset {opset}: convert it (onnx.version_converter) first")
     tensors = {name: as_tensor(name, value) for name, value in initializers.items()}
     input_list = [_as_ours(v, ValueInfoProto) for v in (inputs.values() if isinstance(inputs, Mapping) else inputs)]
+    check_example_sizes(input_list, example_feeds)
     taken = {*tensors, *(v.name for v in input_list), *(n for p in ours for n in [*p.input, *p.output])}
 
     values = example_values(_forward(ours), tensors, input_list, opset, example_feeds)

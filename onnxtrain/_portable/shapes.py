@@ -15,9 +15,10 @@ import jax
 import numpy as np
 
 from onnxtrain.errors import ExportError, OnnxTrainError
-from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto, ValueInfoProto
 from onnxtrain.proto.make import opset as make_opset
 from onnxtrain.translate.registry import TRAINING_DOMAIN
+from onnxtrain.translate.node import sparse_to_dense
 from onnxtrain.translate.tensors import numpy_to_tensor
 from onnxtrain.translate.values import is_traced
 
@@ -88,11 +89,33 @@ def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, Tensor
     return values
 
 
-def as_tensor(name: str, value: np.ndarray | TensorProto) -> TensorProto:
-    """An initializer as onnxtrain's TensorProto named `name`."""
+def as_tensor(name: str, value: np.ndarray | TensorProto | SparseTensorProto) -> TensorProto:
+    """An initializer (a numpy array, or onnx's or onnxtrain's TensorProto or SparseTensorProto)
+    as onnxtrain's dense TensorProto named `name`."""
     if isinstance(value, np.ndarray) or np.isscalar(value):
         return numpy_to_tensor(np.asarray(value), name)
-    tensor = TensorProto()
-    tensor.ParseFromString(value.SerializeToString())
+    if type(value).__name__ == "SparseTensorProto":
+        sparse = SparseTensorProto.FromString(value.SerializeToString())
+        return numpy_to_tensor(sparse_to_dense(sparse, f"initializer {name!r}"), name)
+    tensor = TensorProto.FromString(value.SerializeToString())
     tensor.name = name
     return tensor
+
+
+def check_example_sizes(inputs: Sequence[ValueInfoProto], feeds: Mapping[str, np.ndarray]) -> None:
+    """Refuse example feeds with size 1 along an axis the model leaves open: broadcasting
+    there would look like a fixed size-1 axis, and the backward would not sum over it.
+
+    Raises:
+        ExportError: naming the input and axis.
+    """
+    for info in inputs:
+        if info.name not in feeds or not info.type.HasField("tensor_type"):
+            continue
+        dims = info.type.tensor_type.shape.dim
+        for axis, dim in enumerate(dims):
+            if not dim.HasField("dim_value") and axis < np.ndim(feeds[info.name]) \
+                    and np.shape(feeds[info.name])[axis] == 1:
+                raise ExportError(f"portable export: the example value of input {info.name!r} has size 1 "
+                                  f"along axis {axis}, which the model leaves open; give example feeds "
+                                  "with a size of 2 or more there")

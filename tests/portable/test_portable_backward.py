@@ -15,6 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxtrain._portable.backward import expand_gradients
 from onnxtrain._recipe.builder import make_training_model
 from onnxtrain.errors import ExportError
 from support.portable_graphs import combined, compare_expansion, expanded_model
@@ -142,3 +143,77 @@ def test_tiny_bert_backward_matches_onnxtrain_gradient_in_onnxruntime(tiny_bert)
                 "labels": rng.integers(0, 3, batch)}
 
     _check_training_model(training, feeds)
+
+
+def _small_graph_parts():
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])]
+    forward = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+               helper.make_node("Tanh", ["h"], ["t"], name="tanh"),
+               helper.make_node("Mul", ["t", "t"], ["sq"], name="square"),
+               helper.make_node("ReduceSum", ["sq"], ["y"], name="total", keepdims=0)]
+    weights = {"w": np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32),
+               "unused": np.ones(2, np.float32)}
+    return inputs, forward, weights
+
+
+def _x(batch: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(batch).standard_normal((batch, 3)).astype(np.float32)}
+
+
+def test_pytorch_pfn_extras_gradient_in_ai_onnx_preview_with_identity_copies():
+    # ppe.onnx.grad names each x by an Identity copy of the Gradient's input.
+    inputs, forward, weights = _small_graph_parts()
+    nodes = [helper.make_node("Identity", ["w"], ["w_copy"]), *forward,
+             helper.make_node("Gradient", ["w", "x"], ["dw", "dx"], domain="ai.onnx.preview",
+                              xs=["w_copy", "x"], y="y")]
+    compare_expansion(nodes, weights, inputs, 21, ["dw", "dx"], _x)
+
+
+def test_x_that_y_does_not_read_gets_zeros_and_two_gradient_nodes_expand():
+    inputs, forward, weights = _small_graph_parts()
+    nodes = [*forward,
+             helper.make_node("Gradient", ["w", "unused", "x"], ["dw", "d_unused"], domain="ai.onnx.preview.training",
+                              xs=["w", "unused"], zs=["x"], y="y"),
+             helper.make_node("Gradient", ["x", "w"], ["dx_t"], domain="ai.onnx.preview.training",
+                              xs=["x"], zs=["w"], y="t")]
+    compare_expansion(nodes, weights, inputs, 21, ["dw", "d_unused", "dx_t"], _x)
+
+
+def test_sparse_initializers_are_accepted():
+    inputs, forward, weights = _small_graph_parts()
+    sparse = onnx.SparseTensorProto(values=numpy_helper.from_array(np.array([2.0], np.float32), "w"),
+                                    indices=numpy_helper.from_array(np.array([1], np.int64)), dims=[3, 2])
+    nodes = [*forward, helper.make_node("Gradient", ["w", "x"], ["dw"], domain="ai.onnx.preview.training",
+                                        xs=["w"], zs=["x"], y="y")]
+    new_nodes, _ = expand_gradients(nodes, {"w": sparse}, inputs, 21, _x(4))
+    assert not any(n.op_type == "Gradient" for n in new_nodes)
+
+
+def test_example_feed_of_size_one_along_an_open_axis_is_refused():
+    inputs, forward, weights = _small_graph_parts()
+    nodes = [*forward, helper.make_node("Gradient", ["w", "x"], ["dw"], domain="ai.onnx.preview.training",
+                                        xs=["w"], zs=["x"], y="y")]
+    with pytest.raises(ExportError, match=r"input 'x' has size 1 along axis 0"):
+        expand_gradients(nodes, weights, inputs, 21, _x(1))
+
+
+def test_old_opset_and_gradient_at_other_inputs_raise_export_error():
+    inputs, forward, weights = _small_graph_parts()
+    gradient = helper.make_node("Gradient", ["w", "x"], ["dw"], domain="ai.onnx.preview.training",
+                                xs=["w"], zs=["x"], y="y")
+    with pytest.raises(ExportError, match="opset 16"):
+        expand_gradients([*forward, gradient], weights, inputs, 15, _x(4))
+    elsewhere = helper.make_node("Gradient", ["unused", "x"], ["dw"], domain="ai.onnx.preview.training",
+                                 xs=["w"], zs=["x"], y="y", name="odd")
+    with pytest.raises(ExportError, match=r"'odd'.*inputs must be the tensors its xs and zs name"):
+        expand_gradients([*forward, elsewhere], weights, inputs, 21, _x(4))
+
+
+def test_backward_node_names_say_what_they_compute():
+    inputs, forward, weights = _small_graph_parts()
+    nodes = [*forward, helper.make_node("Gradient", ["w", "x"], ["dw"], domain="ai.onnx.preview.training",
+                                        xs=["w"], zs=["x"], y="y")]
+    new_nodes, _ = expand_gradients(nodes, weights, inputs, 21, _x(4))
+    names = [n.name for n in new_nodes[len(forward):]]
+    assert "grad/fc/dB" in names and "grad/tanh/dX" in names and names[-1] == "grad/w/out"
+    assert len(set(names)) == len(names)

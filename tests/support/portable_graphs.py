@@ -42,7 +42,7 @@ def gradient_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
     kept = []
     for node in nodes:
         node = node if isinstance(node, onnx.NodeProto) else onnx.NodeProto.FromString(node.SerializeToString())
-        if (node.domain == TRAINING and node.op_type != "Gradient") or late & set(node.input):
+        if (node.domain in (TRAINING, "ai.onnx.preview") and node.op_type != "Gradient") or late & set(node.input):
             late.update(node.output)
         else:
             kept.append(node)
@@ -55,7 +55,8 @@ def gradient_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
                                for name in outputs],
                               initializer=tensors)
     return helper.make_model(graph, ir_version=10,
-                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(TRAINING, 1)])
+                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(TRAINING, 1),
+                                            helper.make_opsetid("ai.onnx.preview", 1)])
 
 
 def expanded_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inputs: Sequence, opset: int,
@@ -68,7 +69,7 @@ def expanded_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
         reference = run_onnxtrain(gradient_model(nodes, initializers, inputs, opset, outputs), example)
         ranks = {name: np.ndim(value) for name, value in zip(outputs, reference)}
     model = gradient_model(new_nodes, initializers, inputs, opset, outputs, new_initializers, ranks)
-    assert not any(n.domain == TRAINING for n in model.graph.node)
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
     onnx.checker.check_model(model, full_check=True)
     return model
 
