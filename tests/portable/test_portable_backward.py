@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain._portable.backward import expand_gradients
 from onnxtrain._recipe.builder import make_training_model
 from onnxtrain.errors import ExportError
-from support.portable_graphs import combined, compare_expansion, expanded_model
+from support.portable_graphs import combined, compare_expansion, expanded_model, run_onnxruntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import models  # noqa: E402  (bench/models.py: the benchmark models)
@@ -90,10 +90,10 @@ def test_cnn_with_batchnorm_training_mode_and_gemm_matches_in_onnxruntime():
 
 
 def test_op_without_rule_raises_export_error_naming_the_node():
-    nodes = [helper.make_node("Cos", ["w"], ["c"], name="my_cos"),
+    nodes = [helper.make_node("Atan", ["w"], ["c"], name="my_atan"),
              helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0),
              helper.make_node("Gradient", ["w"], ["dw"], domain="ai.onnx.preview.training", xs=["w"], y="y")]
-    with pytest.raises(ExportError, match=r"my_cos.*Cos.*portable export does not support"):
+    with pytest.raises(ExportError, match=r"my_atan.*Atan.*portable export does not support"):
         expanded_model(nodes, {"w": np.ones(3, np.float32)}, [], 21, ["dw"], {})
 
 
@@ -217,3 +217,55 @@ def test_backward_node_names_say_what_they_compute():
     names = [n.name for n in new_nodes[len(forward):]]
     assert "grad/fc/dB" in names and "grad/tanh/dX" in names and names[-1] == "grad/w/out"
     assert len(set(names)) == len(names)
+
+
+def _tiny_mlp() -> onnx.ModelProto:
+    """x[batch, 4] -> Gemm 8 -> Sigmoid -> MatMul 3 -> Add: small enough for quick tests."""
+    rng = np.random.default_rng(1)
+    weights = {"W1": rng.standard_normal((8, 4)), "B1": rng.standard_normal(8) * 0.1,
+               "W2": rng.standard_normal((8, 3)) * 0.5, "B2": rng.standard_normal(3) * 0.1}
+    nodes = [helper.make_node("Gemm", ["x", "W1", "B1"], ["h"], name="fc1", transB=1),
+             helper.make_node("Sigmoid", ["h"], ["s"], name="act"),
+             helper.make_node("MatMul", ["s", "W2"], ["m"], name="fc2"),
+             helper.make_node("Add", ["m", "B2"], ["prediction"], name="fc2_bias")]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("prediction", TensorProto.FLOAT, ["batch", 3])],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("loss", ["mse", "l1", "bce_with_logits", "cross_entropy"])
+def test_make_training_model_losses_expand(loss):
+    training = make_training_model(_tiny_mlp().SerializeToString(), loss=loss, optimizer="sgd")
+
+    def feeds(batch: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(batch)
+        x = rng.standard_normal((batch, 4)).astype(np.float32)
+        if loss == "cross_entropy":
+            return {"x": x, "labels": rng.integers(0, 3, batch).astype(np.int64)}
+        labels = rng.random((batch, 3)).astype(np.float32)
+        return {"x": x, "labels": (labels > 0.5).astype(np.float32) if loss == "bce_with_logits" else labels}
+
+    _check_training_model(training, feeds)
+
+
+def test_dropout_in_training_mode_uses_its_own_mask():
+    # Random in both runtimes, so the oracle is the mask itself: d_a = cotangent * mask / (1 - ratio).
+    nodes = [helper.make_node("Constant", [], ["ratio"], value=helper.make_tensor("ratio", TensorProto.FLOAT, [], [0.25])),
+             helper.make_node("Constant", [], ["train"], value=helper.make_tensor("train", TensorProto.BOOL, [], [True])),
+             helper.make_node("Dropout", ["a", "ratio", "train"], ["out"], name="drop"),
+             helper.make_node("Mul", ["out", "cotangent"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["y"], keepdims=0),
+             helper.make_node("Gradient", ["a", "cotangent"], ["d_a"], domain="ai.onnx.preview.training",
+                              xs=["a"], zs=["cotangent"], y="y")]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 50]) for n in ("a", "cotangent")]
+    rng = np.random.default_rng(0)
+    example = {n: rng.standard_normal((4, 50)).astype(np.float32) + 3 for n in ("a", "cotangent")}
+    model = expanded_model(nodes, {}, inputs, 21, ["d_a", "out"], example, {"d_a": 2, "out": 2})
+    for batch in (4, 7):
+        feeds = {n: rng.standard_normal((batch, 50)).astype(np.float32) + 3 for n in ("a", "cotangent")}
+        gradient, out = run_onnxruntime(model, feeds)
+        kept = out != 0
+        assert 0 < kept.mean() < 1
+        np.testing.assert_allclose(gradient, np.where(kept, feeds["cotangent"] / 0.75, 0), rtol=1e-6)
+        np.testing.assert_allclose(out[kept], feeds["a"][kept] / 0.75, rtol=1e-6)
