@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain._portable.backward import expand_gradients
 from onnxtrain._recipe.builder import make_training_model
 from onnxtrain.errors import ExportError
-from support.portable_graphs import combined, compare_expansion, expanded_model, run_onnxruntime
+from support.portable_graphs import (assert_close, combined, compare_expansion, expanded_model, gradient_model,
+                                     run_onnxruntime, run_onnxtrain)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import models  # noqa: E402  (bench/models.py: the benchmark models)
@@ -33,11 +34,12 @@ def _classifier_feeds(x_shape: tuple[int, ...], classes: int):
 
 
 def _check_training_model(training, feeds, also: tuple[str, ...] = ()) -> None:
-    """loss, the Gradient's outputs and `also` (e.g. BatchNorm running statistics) agree."""
+    """loss, the Gradient's outputs and `also` (e.g. BatchNorm running statistics) agree; the
+    main graph stays as exported (keep_first), as a portable export needs."""
     nodes, initializers, inputs, opset = combined(training)
     (gradient,) = [n for n in nodes if n.op_type == "Gradient"]
     outputs = ["loss", *gradient.output, *also]
-    compare_expansion(nodes, initializers, inputs, opset, outputs, feeds)
+    compare_expansion(nodes, initializers, inputs, opset, outputs, feeds, keep_first=len(training.graph.node))
 
 
 @pytest.mark.slow
@@ -269,3 +271,27 @@ def test_dropout_in_training_mode_uses_its_own_mask():
         assert 0 < kept.mean() < 1
         np.testing.assert_allclose(gradient, np.where(kept, feeds["cotangent"] / 0.75, 0), rtol=1e-6)
         np.testing.assert_allclose(out[kept], feeds["a"][kept] / 0.75, rtol=1e-6)
+
+
+def test_keep_first_leaves_the_main_graph_as_exported():
+    # The tiny MLP has no training-mode copy: its Gemm on the path lies in the main graph.
+    training = make_training_model(_tiny_mlp().SerializeToString(), loss="mse", optimizer="sgd")
+    nodes, initializers, inputs, opset = combined(training)
+    main = len(training.graph.node)
+    (gradient,) = [n for n in nodes if n.op_type == "Gradient"]
+    outputs = ["loss", *gradient.output]
+
+    def feeds(batch: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(batch)
+        return {"x": rng.standard_normal((batch, 4)).astype(np.float32),
+                "labels": rng.standard_normal((batch, 3)).astype(np.float32)}
+
+    new_nodes, new_initializers = expand_gradients(nodes, initializers, inputs, opset, feeds(4), keep_first=main)
+    assert [n.SerializeToString() for n in new_nodes[:main]] == [n.SerializeToString() for n in nodes[:main]]
+    assert "Gemm" not in {n.op_type for n in new_nodes[main:]}
+    model = gradient_model(new_nodes, initializers, inputs, opset, outputs, new_initializers,
+                           {name: 0 if name == "loss" else (2 if name.startswith("W") else 1) for name in outputs})
+    onnx.checker.check_model(model, full_check=True)
+    reference = gradient_model(nodes, initializers, inputs, opset, outputs)
+    for batch in (4, 7):
+        assert_close(run_onnxruntime(model, feeds(batch)), run_onnxtrain(reference, feeds(batch)), outputs)
