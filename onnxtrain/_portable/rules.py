@@ -50,10 +50,6 @@ def _only(grads: Grads, node: NodeProto) -> str:
     return grads[0]
 
 
-def _inputs(node: NodeProto) -> list[str]:
-    return list(node.input)
-
-
 # -- elementwise ------------------------------------------------------------------------------
 
 @rule("Identity")
@@ -225,7 +221,7 @@ def _swap_last(e: Emitter, x: str, rank: int, hint: str) -> str:
 def _matmul(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
     """dA = g @ B^T, dB = A^T @ g, then summed over broadcast batch axes; 1-D operands are
     given the axis numpy's matmul gives them, and lose it again."""
-    g, (a, b), y = _only(grads, node), node.input, node.output[0]
+    g, (a, b) = _only(grads, node), node.input
     a_shape, b_shape = np.shape(e.example(a)), np.shape(e.example(b))
     a2, b2 = a, b
     if len(a_shape) == 1:

@@ -5,7 +5,6 @@ weighs differently (a plain sum would hide a wrong Softmax gradient, which sums 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
