@@ -215,6 +215,7 @@ def _backward(e: Emitter, nodes: Sequence[NodeProto], gradient: NodeProto) -> li
     """The nodes computing the Gradient node's outputs."""
     xs, _, y = _names(nodes, gradient)
     path, tainted = _path(nodes, gradient, e.values)
+    e.forget_shapes()
     grads: dict[str, list[str]] = {}
     if y in tainted:
         e.scope = f"grad/{y}"

@@ -50,6 +50,7 @@ class Emitter:
         self.scope = "grad"
         self._shapes: dict[str, str] = {}
         self._constants: dict[tuple, str] = {}
+        self._node_names: set[str] = set()
 
     # -- names -------------------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -96,6 +97,11 @@ class Emitter:
              **attributes: Any) -> None:
         """Append a node writing the given (existing) output names: a decomposition's last nodes."""
         self.taken.update(outputs)
+        wanted, counter = name, 1
+        while name in self._node_names:  # two gradients of one x, say
+            counter += 1
+            name = f"{wanted}.{counter}"
+        self._node_names.add(name)
         self.nodes.append(make_node(op_type, list(inputs), list(outputs), name=name, **attributes))
 
     def take(self) -> list[NodeProto]:
@@ -131,6 +137,11 @@ class Emitter:
         if name not in self._shapes:
             self._shapes[name] = self.add("Shape", [name], "shape")
         return self._shapes[name]
+
+    def forget_shapes(self) -> None:
+        """Stop reusing Shape nodes written so far: a backward block placed before a node
+        decomposed later must not read that node's Shape."""
+        self._shapes.clear()
 
     # -- helpers over opset differences ------------------------------------------------------
     def reduce(self, op_type: str, x: str, axes: Sequence[int], keepdims: bool, hint: str) -> str:

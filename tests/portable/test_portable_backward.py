@@ -295,3 +295,25 @@ def test_keep_first_leaves_the_main_graph_as_exported():
     reference = gradient_model(nodes, initializers, inputs, opset, outputs)
     for batch in (4, 7):
         assert_close(run_onnxruntime(model, feeds(batch)), run_onnxtrain(reference, feeds(batch)), outputs)
+
+
+def test_second_gradient_after_a_decomposed_node_keeps_topological_order():
+    # SoftmaxCrossEntropyLoss after the first Gradient is decomposed (taking Shape(t)); the
+    # first Gradient's backward needs Shape(t) too and must not read the later node.
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+              helper.make_tensor_value_info("labels", TensorProto.INT64, ["batch"])]
+    weights = {"w": np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"], name="fc"),
+             helper.make_node("ReduceSum", ["t"], ["y1"], keepdims=0),
+             helper.make_node("Gradient", ["w", "x"], ["dw1"], domain="ai.onnx.preview.training", xs=["w"], zs=["x"],
+                              y="y1"),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["t", "labels"], ["loss"]),
+             helper.make_node("Gradient", ["w", "x", "labels"], ["dw2"], domain="ai.onnx.preview.training",
+                              xs=["w"], zs=["x", "labels"], y="loss")]
+
+    def feeds(batch: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(batch)
+        return {"x": rng.standard_normal((batch, 4)).astype(np.float32),
+                "labels": rng.integers(0, 3, batch).astype(np.int64)}
+
+    compare_expansion(nodes, weights, inputs, 21, ["dw1", "dw2"], feeds)
