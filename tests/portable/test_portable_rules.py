@@ -192,6 +192,13 @@ CASES: dict[str, Case] = {
     "AveragePool_include_pad_ceil": Case([node("AveragePool", ["a"], kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 0, 0],
                                                count_include_pad=1, ceil_mode=1)],
                                          {"a": ("b", 2, 4, 5)}, ["a"], ("b", 2, 3, 3)),
+    # Opset 17: ReduceMean takes its axes as an attribute (the decompositions write it so).
+    "LayerNormalization_opset17": Case([node("LayerNormalization", ["a", "s"], axis=1)], {"a": ("b", 3, 2), "s": (3, 2)},
+                                       ["a", "s"], ("b", 3, 2), opset=17),
+    "SCE_mean_opset17": Case([node("SoftmaxCrossEntropyLoss", ["a", "labels"])], {"a": ("b", 5), "labels": ("b",)},
+                             ["a"], (), ints={"labels": (0, 5)}, opset=17),
+    "ReduceMean_attribute_axes_opset17": Case([node("ReduceMean", ["a"], axes=[1], keepdims=0)], {"a": ("b", 3, 4)},
+                                              ["a"], ("b", 4), opset=17),
 }
 # The Gradient of "ReduceMean_all" multiplies by the mean: its node writes "m".
 CASES["ReduceMean_all"].nodes[0] = node("ReduceMean", ["a"], ["m"], keepdims=0)
