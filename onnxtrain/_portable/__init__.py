@@ -1,0 +1,1 @@
+"""Training recipes written in standard ONNX operators, for runtimes without ai.onnx.preview.training."""
