@@ -75,7 +75,7 @@ def _expand(e: Emitter, proto: NodeProto) -> None:
     if len(outputs) != count * (1 + slots):
         raise ExportError(f"{label(proto)}: {count} tensors need {count * (1 + slots)} outputs (new "
                           f"tensors then new state slots); got {len(outputs)}. Fix the node's outputs")
-    base = proto.name or f"{proto.op_type.lower()}.{outputs[0]}"
+    base = proto.name or proto.op_type.lower()
     e.scope = base
     step = _double(e, inputs[1], "T")
     rate = _double(e, inputs[0], "R")

@@ -1,0 +1,179 @@
+"""Trainer.export(portable=True / "step"): the bench MLP and CNN with Adam and Momentum, 20
+steps at batch sizes 4 and 7 from one file, against onnxtrain's own run of the recipe:
+the step model in stock onnxruntime (examples/portable_ort.py), the portable training_info
+model back in onnxtrain; onnx.checker (full_check); node count and size."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import onnxtrain
+from onnxtrain._portable.manifest import MANIFEST_KEY, StepManifest
+from onnxtrain.errors import ExportError, ModelLoadError
+from support.portable_training import EXAMPLES, errors, reference_start, forward_model, reference, run_trainer, save_batches, training_bytes
+
+CASES = [("mlp", "adam"), ("cnn", "momentum"), ("mlp", "momentum"), ("cnn", "adam")]
+TRAINING_DOMAINS = {"ai.onnx.preview.training", "ai.onnx.preview"}
+
+
+@functools.cache
+def _exported(name: str, optimizer: str, folder) -> dict[str, str]:
+    trainer = onnxtrain.Trainer(training_bytes(name, optimizer))
+    paths = {"portable": str(folder / f"{name}.{optimizer}.portable.onnx"),
+             "step": str(folder / f"{name}.{optimizer}.step.onnx")}
+    trainer.export(paths["portable"], portable=True)
+    trainer.export(paths["step"], portable="step")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("portable")
+
+
+def _runner():
+    spec = importlib.util.spec_from_file_location("portable_ort", EXAMPLES / "portable_ort.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _manifest(path: str) -> StepManifest:
+    model = onnx.load(path)
+    return StepManifest.from_json({p.key: p.value for p in model.metadata_props}[MANIFEST_KEY])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, optimizer", CASES)
+def test_step_model_in_onnxruntime_reproduces_onnxtrain(name, optimizer, folder, tmp_path):
+    from support.portable_training import Run
+
+    path = _exported(name, optimizer, folder)["step"]
+    npz, _ = save_batches(name, tmp_path)
+    _runner().train(path, str(npz), str(tmp_path / "trained.npz"))
+    saved = np.load(tmp_path / "trained.npz")
+    manifest = _manifest(path)
+    state = [a for a, _ in manifest.state]
+    actual = Run(saved["losses"], {k: saved[k] for k in state})
+    expected = reference(name, optimizer)
+    measured = errors(actual, expected, state)
+    print(f"{name}/{optimizer} stock onnxruntime vs onnxtrain: {measured}")
+    assert measured["loss"] <= 1e-5 and measured["norm"] <= 1e-5, measured
+    if optimizer == "momentum":
+        # Adam divides by sqrt(H) + 1e-8, which turns float noise in a near-zero gradient
+        # element into a full step: its worst single element is reported, not bounded.
+        assert measured["max"] <= 1e-5, measured
+    # The state moved: the run trained.
+    assert errors(actual, reference_start(name, optimizer), state)["norm"] > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, optimizer", CASES[:2])
+def test_portable_training_info_runs_in_onnxtrain_with_the_same_steps(name, optimizer, folder):
+    path = _exported(name, optimizer, folder)["portable"]
+    trainer = onnxtrain.Trainer(path)
+    assert set(trainer.state_names) == set(reference(name, optimizer).state) - set(trainer.hyperparameter_names)
+    measured = errors(run_trainer(trainer, name), reference(name, optimizer), trainer.state_names)
+    print(f"{name}/{optimizer} portable training_info in onnxtrain vs onnxtrain: {measured}")
+    assert max(measured.values()) <= 1e-5, measured
+
+
+def _combined(model: onnx.ModelProto, info: onnx.TrainingInfoProto) -> onnx.ModelProto:
+    """The training step's combined graph (main then algorithm) as a model of its own."""
+    graph = helper.make_graph([*model.graph.node, *info.algorithm.node], "step",
+                              [*model.graph.input, *info.algorithm.input], list(info.algorithm.output),
+                              [*model.graph.initializer, *info.algorithm.initializer])
+    return helper.make_model(graph, ir_version=model.ir_version, opset_imports=list(model.opset_import))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, optimizer", CASES[:2])
+def test_exports_use_only_standard_ops_and_pass_the_full_checker(name, optimizer, folder):
+    paths = _exported(name, optimizer, folder)
+    portable, step = onnx.load(paths["portable"]), onnx.load(paths["step"])
+    for model in (portable, step):
+        assert not {o.domain for o in model.opset_import} & TRAINING_DOMAINS
+        assert model.ir_version <= 10
+        onnx.checker.check_model(model, full_check=True)
+    graphs = [portable.graph, step.graph, *(g for info in portable.training_info
+                                             for g in (info.algorithm, info.initialization))]
+    assert all(node.domain in ("", "ai.onnx") for g in graphs for node in g.node)
+    for info in portable.training_info:
+        onnx.checker.check_model(_combined(portable, info), full_check=True)
+    # The bindings are the recipe's.
+    original = onnx.load_from_string(training_bytes(name, optimizer))
+    assert ([(b.key, b.value) for b in portable.training_info[0].update_binding]
+            == [(b.key, b.value) for b in original.training_info[0].update_binding])
+    # Dynamic batch stays dynamic.
+    x = next(i for i in step.graph.input if i.name == "x")
+    assert not x.type.tensor_type.shape.dim[0].HasField("dim_value")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, optimizer", CASES)
+def test_step_model_size_against_the_forward_model(name, optimizer, folder):
+    step = onnx.load(_exported(name, optimizer, folder)["step"])
+    forward = forward_model(name)
+    original = onnx.load_from_string(training_bytes(name, optimizer))
+    # The recipe's own standard nodes: forward, loss, step counter.
+    recipe = [n for n in [*original.graph.node, *original.training_info[0].algorithm.node]
+              if n.domain not in TRAINING_DOMAINS]
+    nodes = len(step.graph.node)
+    optimizer_nodes = sum(1 for n in step.graph.node if n.name.startswith(f"{optimizer}/"))
+    parameters = len(forward.graph.initializer)
+    size, forward_size = step.ByteSize(), forward.ByteSize()
+    print(f"{name}/{optimizer}: {nodes} nodes ({optimizer_nodes} optimizer) vs {len(forward.graph.node)} "
+          f"forward and {len(recipe)} in the recipe; {size} bytes vs {forward_size}")
+    # Forward, loss and backward: a bounded multiple of the recipe's nodes; the optimizer: a
+    # fixed number of element-wise nodes per trained tensor plus the shared rate terms.
+    assert nodes - optimizer_nodes <= 8 * len(recipe)
+    assert optimizer_nodes <= 12 * parameters + 16
+    # Weights plus one (Momentum) or two (Adam) slots each, and small constants.
+    slots = 2 if optimizer == "adam" else 1
+    assert size <= (1 + slots) * forward_size * 1.05 + 20_000
+
+
+@pytest.mark.slow
+def test_manifest_pairs_every_state_input_with_an_output_and_an_initial_value(folder):
+    path = _exported("mlp", "adam", folder)["step"]
+    model, manifest = onnx.load(path), _manifest(path)
+    inputs = [i.name for i in model.graph.input]
+    outputs = [o.name for o in model.graph.output]
+    initializers = {t.name for t in model.graph.initializer}
+    assert manifest.feeds == ["x", "labels"] and manifest.loss == "loss"
+    assert manifest.settings == ["learning_rate"]
+    assert sorted(inputs) == sorted([*manifest.feeds, *manifest.initial])
+    assert sorted(outputs) == sorted([*manifest.outputs, *(b for _, b in manifest.state)])
+    assert {a for a, _ in manifest.state} | set(manifest.settings) == set(manifest.initial)
+    assert set(manifest.initial.values()) <= initializers
+    # State inputs are plain inputs: runtimes that drop feeds for initializers still train.
+    assert not set(manifest.initial) & initializers
+    assert "onnxtrain.prng_key" not in {p.key for p in model.metadata_props}
+
+
+def test_manifest_json_round_trip_and_bad_manifest():
+    manifest = StepManifest(feeds=["x"], state=[("W", "W.new")], settings=["lr"], outputs=["loss"],
+                            loss="loss", initial={"W": "W.initial", "lr": "lr.initial"})
+    assert StepManifest.from_json(manifest.to_json()) == manifest
+    assert json.loads(manifest.to_json())["format"] == MANIFEST_KEY
+    assert "W <- W.new (W.initial)" in "\n".join(manifest.describe())
+    with pytest.raises(ModelLoadError, match="onnxtrain.step"):
+        StepManifest.from_json('{"format": "other"}')
+
+
+@pytest.mark.parametrize("arguments, match", [
+    ({"portable": True, "training": False}, "without training=False"),
+    ({"portable": "flat"}, "True .* or \"step\""),
+])
+def test_portable_export_refuses_what_it_cannot_write(arguments, match, tmp_path):
+    trainer = onnxtrain.Trainer(training_bytes("mlp", "momentum"))
+    with pytest.raises(ExportError, match=match):
+        trainer.export(tmp_path / "out.onnx", **arguments)
+    assert not (tmp_path / "out.onnx").exists()
