@@ -18,9 +18,9 @@ import numpy as np
 from onnxtrain._portable.decompose import DECOMPOSITIONS, decompose
 from onnxtrain._portable.emitter import Emitter, attr, label
 from onnxtrain._portable.rules import CONSTANT_OPS, RULES
-from onnxtrain._portable.shapes import as_tensor, example_values
+from onnxtrain._portable.shapes import as_tensor, check_example_sizes, example_values
 from onnxtrain.errors import ExportError
-from onnxtrain.proto import NodeProto, TensorProto, ValueInfoProto
+from onnxtrain.proto import NodeProto, SparseTensorProto, TensorProto, ValueInfoProto
 from onnxtrain.translate.registry import TRAINING_DOMAIN
 from onnxtrain.translate.tensors import numpy_to_tensor
 
@@ -30,24 +30,32 @@ GRADIENT_DOMAINS = frozenset({TRAINING_DOMAIN, "ai.onnx.preview"})
 MIN_OPSET = 16
 
 
-def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.ndarray | TensorProto],
+def expand_gradients(nodes: Sequence[NodeProto],
+                     initializers: Mapping[str, np.ndarray | TensorProto | SparseTensorProto],
                      inputs: Mapping[str, ValueInfoProto] | Sequence[ValueInfoProto], opset: int,
-                     example_feeds: Mapping[str, np.ndarray]) -> tuple[list[NodeProto], list[TensorProto]]:
+                     example_feeds: Mapping[str, np.ndarray], *,
+                     keep_first: int = 0) -> tuple[list[NodeProto], list[TensorProto]]:
     """Replace every Gradient node by standard ai.onnx nodes computing the same outputs.
 
     Args:
         nodes: a flat, topologically ordered node list (the main graph's nodes followed by an
             algorithm graph's, as a training step combines them); onnx's or onnxtrain's NodeProto.
-        initializers: name -> value of every initializer the nodes read.
+        initializers: name -> value of every initializer the nodes read (numpy, or a dense or
+            sparse tensor proto of onnx or onnxtrain).
         inputs: the graph inputs (main, then algorithm), by name or as a list.
         opset: the default domain's opset version of the model (at least 16).
         example_feeds: a value for each input without an initializer; only ranks, dtypes and
-            which axes broadcast are learnt from them, so no axis that varies may be 1 here.
+            which axes broadcast are learnt from them, so an axis the inputs leave open (no
+            dim_value) must not be 1 here.
+        keep_first: the first `keep_first` nodes (the main graph, which must stay the inference
+            graph) come back unchanged, first; composite ops among them that a gradient passes
+            through are differentiated through a copy of their decomposition written right
+            after them (it recomputes them, with its own output names).
 
     Returns:
         (the new node list, the initializers the new nodes need), as onnxtrain.proto messages.
-        Forward nodes on a differentiated path may be rewritten into primitives that write the
-        same output names.
+        Forward nodes on a differentiated path (after the first `keep_first`) may be rewritten
+        into primitives that write the same output names.
 
     Raises:
         ExportError: an op on a path from xs to y has no backward rule, the opset is too old,
@@ -66,6 +74,7 @@ def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.n
                           f"imports opset {opset}: convert it (onnx.version_converter) first")
     tensors = {name: as_tensor(name, value) for name, value in initializers.items()}
     input_list = [_as_ours(v, ValueInfoProto) for v in (inputs.values() if isinstance(inputs, Mapping) else inputs)]
+    check_example_sizes(input_list, example_feeds)
     taken = {*tensors, *(v.name for v in input_list), *(n for p in ours for n in [*p.input, *p.output])}
 
     values = example_values(_forward(ours), tensors, input_list, opset, example_feeds)
@@ -74,21 +83,55 @@ def expand_gradients(nodes: Sequence[NodeProto], initializers: Mapping[str, np.n
     for proto in ours:
         if _is_gradient(proto):
             on_path |= set(map(id, _path(ours, proto, values)[0]))
-    rewritten: list[NodeProto] = []
-    for proto in ours:
-        rewritten.extend(decompose(e, proto) if id(proto) in on_path and proto.op_type in DECOMPOSITIONS
-                         else [proto])
-    if len(rewritten) != len(ours) or any(a is not b for a, b in zip(rewritten, ours)):
+    # Per node of `ours`, the nodes standing for it: itself or its decomposition, which the
+    # backward differentiates; a kept node's decomposition is also copied, with its own output
+    # names, to where the kept part ends.
+    pieces: list[list[NodeProto]] = []
+    copies: list[NodeProto] = []
+    for index, proto in enumerate(ours):
+        parts = decompose(e, proto) if id(proto) in on_path and proto.op_type in DECOMPOSITIONS else [proto]
+        pieces.append(parts)
+        if index < keep_first and parts != [proto]:
+            copies.extend(_renamed_outputs(e, proto, parts))
+    rewritten = [part for parts in pieces for part in parts]
+    if len(rewritten) != len(ours):
         constants = {t.name: t for t in e.initializers}
         e.values = example_values(_forward(rewritten), {**tensors, **constants}, input_list, opset, example_feeds)
+    expanded = [_backward(e, rewritten, parts[0]) if _is_gradient(parts[0]) else parts for parts in pieces]
+    if not keep_first:
+        return [part for parts in expanded for part in parts], e.initializers
+    rest = [part for parts in expanded[keep_first:] for part in parts]
+    copies = _live(copies, {name for part in rest for name in part.input})
+    return [*ours[:keep_first], *copies, *rest], e.initializers
 
-    expanded: list[NodeProto] = []
-    for proto in rewritten:
-        if _is_gradient(proto):
-            expanded.extend(_backward(e, rewritten, proto))
-        else:
-            expanded.append(proto)
-    return expanded, e.initializers
+
+def _renamed_outputs(e: Emitter, proto: NodeProto, parts: list[NodeProto]) -> list[NodeProto]:
+    """The decomposition of a kept node with the node's own output names replaced by fresh ones,
+    so that it can run beside the node: the backward reads its intermediates (a MaxPool's
+    Indices, a LayerNormalization's centered input), which equal the kept node's values."""
+    e.scope = ""
+    renamed = {name: e.fresh(f"{name}/recomputed") for name in proto.output if name}
+    copies = []
+    for part in parts:
+        copy = NodeProto()
+        copy.CopyFrom(part)
+        copy.input[:] = [renamed.get(name, name) for name in part.input]
+        copy.output[:] = [renamed.get(name, name) for name in part.output]
+        if copy.name:
+            copy.name = f"{copy.name}/recomputed"
+        copies.append(copy)
+    return copies
+
+
+def _live(nodes: list[NodeProto], read: set[str]) -> list[NodeProto]:
+    """`nodes` without those whose outputs nobody reads (directly or through kept ones)."""
+    live: list[NodeProto] = []
+    wanted = set(read)
+    for proto in reversed(nodes):
+        if wanted & set(proto.output):
+            live.append(proto)
+            wanted.update(proto.input)
+    return live[::-1]
 
 
 def _as_ours(message, kind):

@@ -241,8 +241,8 @@ def _max_pool(e: Emitter, proto: NodeProto) -> list[NodeProto] | None:
 def _dropout(e: Emitter, proto: NodeProto) -> list[NodeProto] | None:
     """Dropout that drops (training mode, ratio > 0) with its mask output, which the backward
     multiplies by; otherwise the identity."""
-    ratio = float(np.asarray(e.example(proto.input[1]))) if _input(proto, 1) else attr(proto, "ratio", 0.5)
-    training = bool(np.asarray(e.example(proto.input[2]))) if _input(proto, 2) else False
+    ratio = float(e.value(proto.input[1], f"the ratio of {label(proto)}")) if _input(proto, 1) else attr(proto, "ratio", 0.5)
+    training = bool(e.value(proto.input[2], f"the training_mode of {label(proto)}")) if _input(proto, 2) else False
     if attr(proto, "is_test") is not None:
         training = not attr(proto, "is_test")
     if not training or ratio == 0:

@@ -70,6 +70,14 @@ class Emitter:
                               "needs the rank and dtype of every forward tensor on the gradient's path")
         return self.values[name]
 
+    def value(self, name: str, what: str) -> np.ndarray:
+        """The value of a forward tensor that must be a constant (axes, a ratio): `what` says
+        what it is for the message."""
+        if name not in getattr(self.values, "concrete", self.values):
+            raise ExportError(f"portable export: {what} {name!r} must be a constant (an initializer or "
+                              "computed from constants only); the backward is written for fixed values of it")
+        return np.asarray(self.values[name])
+
     def rank(self, name: str) -> int:
         return np.ndim(self.example(name))
 

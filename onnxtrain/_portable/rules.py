@@ -31,7 +31,7 @@ CONSTANT_OPS = frozenset({
     "Shape", "Size", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And",
     "Or", "Xor", "ArgMax", "ArgMin", "OneHot", "ConstantOfShape", "Range", "NonZero", "Floor",
     "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Constant", "EyeLike", "RandomNormalLike",
-    "RandomUniformLike", "Trilu_mask", "BitShift",
+    "RandomUniformLike", "BitShift",
 })
 
 
@@ -315,15 +315,19 @@ def _positions(e: Emitter, x: str) -> str:
     return e.add("Reshape", [flat, e.shape(x)], "positions")
 
 
-def _scatter_flat(e: Emitter, x: str, positions: str, g: str) -> str:
-    """Zeros shaped like `x` with g's values added at the flat `positions` (same shape as g)."""
+def _scatter_flat(e: Emitter, x: str, positions: str, g: str, spare: bool = False) -> str:
+    """Zeros shaped like `x` with g's values added at the flat `positions` (same shape as g).
+    spare: positions may equal Size(x) (padding), a slot scattered to and then dropped."""
     zero = numpy_to_tensor(np.zeros(1, e.dtype(x)))
     size = e.add("Reshape", [e.add("Size", [x], "size"), e.ints([1])], "size_1d")
-    zeros = e.add("ConstantOfShape", [size], "zeros_flat", value=zero)
+    slots = e.add("Add", [size, e.ints([1])], "slots") if spare else size
+    zeros = e.add("ConstantOfShape", [slots], "zeros_flat", value=zero)
     flat_positions = e.add("Reshape", [positions, e.ints([-1])], "flat_positions")
     flat_g = e.add("Reshape", [g, e.ints([-1])], "flat_g")
     scattered = e.add("ScatterElements", [zeros, flat_positions, flat_g], "scattered", axis=0,
                       reduction="add")
+    if spare:
+        scattered = e.add("Slice", [scattered, e.ints([0]), size], "scattered_kept")
     return e.add("Reshape", [scattered, e.shape(x)], "dX")
 
 
@@ -343,7 +347,9 @@ def _gather(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Gr
     rank, index_rank = e.rank(data), e.rank(indices)
     axis = attr(node, "axis", 0) % rank
     g = _only(grads, node)
-    size = e.cast_like(_axis_size(e, data, axis), indices, "axis_size")
+    # A scalar size: a 1-D one would give a scalar index an axis.
+    size = e.add("Gather", [e.shape(data), e.constant(np.int64(axis), "axis")], "axis_size")
+    size = e.cast_like(size, indices, "axis_size_cast")
     negative = e.add("Less", [indices, e.constant(np.zeros((), e.dtype(indices)), "zero_index")], "negative")
     wrapped = e.add("Where", [negative, e.add("Add", [indices, size], "wrapped"), indices], "index")
     index = e.add("Cast", [e.unsqueeze(wrapped, [-1], "index_column")], "index_i64", to=data_type_of(np.int64))
@@ -370,7 +376,7 @@ def reduce_axes(e: Emitter, node: NodeProto) -> list[int] | None:
     """The normalized axes a Reduce* node reduces (None: it is the identity)."""
     rank = e.rank(node.input[0])
     if len(node.input) > 1 and node.input[1]:
-        axes = [int(a) for a in np.asarray(e.example(node.input[1])).reshape(-1)]
+        axes = [int(a) for a in e.value(node.input[1], f"the axes of {label(node)}").reshape(-1)]
     else:
         axes = attr(node, "axes") or []
     if not axes:
@@ -417,7 +423,7 @@ def _dropout(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> G
     every dropping Dropout its mask output; the others became Identity)."""
     g = _only(grads, node)
     x = node.input[0]
-    ratio = float(np.asarray(e.example(node.input[1]))) if len(node.input) > 1 and node.input[1] else 0.5
+    ratio = float(e.value(node.input[1], f"the ratio of {label(node)}")) if len(node.input) > 1 and node.input[1] else 0.5
     kept = e.add("Where", [node.output[1], g, e.scalar(0, x)], "kept")
     return [e.add("Mul", [kept, e.scalar(1 / (1 - ratio), x)], "dX"), None, None][:len(node.input)]
 
@@ -502,3 +508,141 @@ def _global_average_pool(e: Emitter, node: NodeProto, grads: Grads, needed: list
                           e.cast_like(e.add("Size", [y], "size_y"), x, "size_y_float")], "count")
     spread = e.add("Expand", [_only(grads, node), e.shape(x)], "spread")
     return [e.add("Div", [spread, count], "dX")]
+
+
+# -- data movement by an index map --------------------------------------------------------------
+# Pad and Tile copy elements of X around: the same op applied to X's flat positions says where
+# each output element came from, and the gradient is added back there. Right for every mode
+# (reflect, edge and wrap padding copy an element to several places) without re-deriving it.
+
+@rule("Pad")
+def _pad(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x = node.input[0]
+    if any(needed[1:]):
+        raise ExportError(f"portable export: {label(node)}: only the gradient of Pad's data is supported")
+    inputs = [_positions(e, x), *node.input[1:]]
+    spare = (attr(node, "mode", "constant") or "constant") == "constant"
+    if spare:  # padding reads position Size(x): the spare slot
+        size = e.add("Size", [x], "size")
+        inputs = [*inputs, ""] if len(inputs) < 3 else inputs
+        inputs[2] = size
+    picked = e.add("Pad", inputs, "picked_positions", mode=attr(node, "mode", "constant"))
+    return [_scatter_flat(e, x, picked, _only(grads, node), spare=spare)] + [None] * (len(node.input) - 1)
+
+
+@rule("Tile")
+def _tile(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x = node.input[0]
+    picked = e.add("Tile", [_positions(e, x), node.input[1]], "picked_positions")
+    return [_scatter_flat(e, x, picked, _only(grads, node)), None]
+
+
+@rule("GatherElements")
+def _gather_elements(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    data, indices = node.input[0], node.input[1]
+    axis = attr(node, "axis", 0) % e.rank(data)
+    return [e.add("ScatterElements", [e.zeros_like(data, "zeros"), indices, _only(grads, node)], "dX",
+                  axis=axis, reduction="add"), None]
+
+
+# -- more elementwise ---------------------------------------------------------------------------
+
+@rule("Clip")
+def _clip(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """The gradient where X lies within [min, max] (bounds as inputs, opset 11 on)."""
+    if any(needed[1:]):
+        raise ExportError(f"portable export: {label(node)}: the gradient of Clip's bounds is not supported")
+    x, g = node.input[0], _only(grads, node)
+    inside = None
+    for index, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
+        if len(node.input) > index and node.input[index]:
+            within = e.add(compare, [x, node.input[index]], "within")
+            inside = within if inside is None else e.add("And", [inside, within], "inside")
+    if inside is None:
+        return [g] + [None] * (len(node.input) - 1)
+    return [e.add("Where", [inside, g, e.scalar(0, x)], "dX")] + [None] * (len(node.input) - 1)
+
+
+@rule("Softplus")
+def _softplus(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Mul", [_only(grads, node), e.add("Sigmoid", [node.input[0]], "sigmoid")], "dX")]
+
+
+@rule("Elu")
+def _elu(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x, y, g = node.input[0], node.output[0], _only(grads, node)
+    positive = e.add("Greater", [x, e.scalar(0, x)], "positive")
+    slope = e.add("Add", [y, e.scalar(attr(node, "alpha", 1.0), x)], "slope")
+    return [e.add("Where", [positive, g, e.add("Mul", [g, slope], "g_slope")], "dX")]
+
+
+@rule("HardSigmoid")
+def _hard_sigmoid(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    x, y, g = node.input[0], node.output[0], _only(grads, node)
+    above = e.add("Greater", [y, e.scalar(0, y)], "above")
+    below = e.add("Less", [y, e.scalar(1, y)], "below")
+    sloped = e.add("Mul", [g, e.scalar(attr(node, "alpha", 0.2), x)], "sloped")
+    return [e.add("Where", [e.add("And", [above, below], "linear"), sloped, e.scalar(0, x)], "dX")]
+
+
+@rule("Sin")
+def _sin(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    return [e.add("Mul", [_only(grads, node), e.add("Cos", [node.input[0]], "cos")], "dX")]
+
+
+@rule("Cos")
+def _cos(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    minus_sin = e.add("Neg", [e.add("Sin", [node.input[0]], "sin")], "minus_sin")
+    return [e.add("Mul", [_only(grads, node), minus_sin], "dX")]
+
+
+@rule("Mean")
+def _mean(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    y = node.output[0]
+    share = e.add("Div", [_only(grads, node), e.scalar(len(node.input), y)], "share")
+    return [e.sum_to(share, x, y) if want else None for x, want in zip(node.input, needed)]
+
+
+@rule("ReduceMax", "ReduceMin")
+def _reduce_extreme(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """The gradient shared equally among the elements equal to the extreme (as jax does)."""
+    x, y, g = node.input[0], node.output[0], _only(grads, node)
+    axes = reduce_axes(e, node)
+    rest = [None] * (len(node.input) - 1)
+    if axes is None:
+        return [g, *rest]
+    if not attr(node, "keepdims", 1):
+        g, y = e.unsqueeze(g, axes, "g_kept"), e.unsqueeze(y, axes, "y_kept")
+    chosen = e.cast_like(e.add("Equal", [x, y], "chosen"), x, "chosen_float")
+    ties = e.reduce("ReduceSum", chosen, axes, True, "ties")
+    share = e.add("Div", [g, ties], "share")
+    return [e.add("Mul", [chosen, share], "dX"), *rest]
+
+
+@rule("AveragePool")
+def _average_pool(e: Emitter, node: NodeProto, grads: Grads, needed: list[bool]) -> Grads:
+    """Each window's gradient divided by the window's count, spread back by a depthwise
+    ConvTranspose with a ones kernel. The counts (with or without the padding) are constants:
+    spatial sizes are taken as fixed."""
+    x, y, g = node.input[0], node.output[0], _only(grads, node)
+    kernel, strides, dilations, pads = conv_geometry(e, node)
+    x_shape, y_shape = np.shape(e.example(x)), np.shape(e.example(y))
+    rank, channels = len(kernel), x_shape[1]
+    low = [-pads[i] if attr(node, "count_include_pad", 0) else 0 for i in range(rank)]
+    high = [x_shape[2 + i] + (pads[rank + i] if attr(node, "count_include_pad", 0) else 0) for i in range(rank)]
+    counts = np.ones((), np.float64)
+    for i in range(rank):
+        starts = np.arange(y_shape[2 + i]) * strides[i] - pads[i]
+        taps = starts[:, None] + np.arange(kernel[i])[None, :] * dilations[i]
+        per_axis = ((taps >= low[i]) & (taps < high[i])).sum(axis=1)
+        counts = np.multiply.outer(counts, per_axis)
+    share = e.add("Div", [g, e.constant(counts.astype(e.dtype(x)), "window_counts")], "share")
+    ones = e.constant(np.ones((channels, 1, *kernel), e.dtype(x)), "ones_kernel")
+    padding, pads = list(pads), list(pads)
+    for i in range(rank):
+        reach = (y_shape[2 + i] - 1) * strides[i] - pads[i] - pads[i + rank] + dilations[i] * (kernel[i] - 1) + 1
+        padding[i] = max(0, x_shape[2 + i] - reach)
+        # ceil_mode: the last window reaches past the padding; cropping drops what it read there.
+        pads[i + rank] += max(0, reach - x_shape[2 + i])
+    return [e.add("ConvTranspose", [share, ones], "dX", strides=strides, pads=pads, dilations=dilations,
+                  group=channels, output_padding=padding[:rank], kernel_shape=kernel)]

@@ -3,7 +3,7 @@ onnxtrain (jax.vjp), and the same graph expanded into standard ops, run by stock
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,7 +20,8 @@ TRAINING = "ai.onnx.preview.training"
 
 def combined(training: onnx.ModelProto | ModelProto) -> tuple[list, dict, list, int]:
     """(nodes, initializers, inputs, opset) of a training model's main graph followed by its
-    algorithm graph, as a training step runs them; sparse initializers made dense."""
+    algorithm graph, as a training step runs them; sparse initializers made dense. The main
+    graph's nodes are the first len(training.graph.node)."""
     training = onnx.load_from_string(training.SerializeToString())
     algorithm = training.training_info[0].algorithm
     initializers = {t.name: numpy_helper.to_array(t) for g in (training.graph, algorithm) for t in g.initializer}
@@ -42,7 +43,7 @@ def gradient_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
     kept = []
     for node in nodes:
         node = node if isinstance(node, onnx.NodeProto) else onnx.NodeProto.FromString(node.SerializeToString())
-        if (node.domain == TRAINING and node.op_type != "Gradient") or late & set(node.input):
+        if (node.domain in (TRAINING, "ai.onnx.preview") and node.op_type != "Gradient") or late & set(node.input):
             late.update(node.output)
         else:
             kept.append(node)
@@ -55,19 +56,39 @@ def gradient_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inpu
                                for name in outputs],
                               initializer=tensors)
     return helper.make_model(graph, ir_version=10,
-                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(TRAINING, 1)])
+                             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(TRAINING, 1),
+                                            helper.make_opsetid("ai.onnx.preview", 1)])
 
 
 def expanded_model(nodes: Sequence, initializers: Mapping[str, np.ndarray], inputs: Sequence, opset: int,
-                   outputs: Sequence[str], example: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """gradient_model after expand_gradients, checked by onnx.checker (full_check)."""
-    new_nodes, new_initializers = expand_gradients(nodes, initializers, inputs, opset, example)
-    reference = run_onnxtrain(gradient_model(nodes, initializers, inputs, opset, outputs), example)
-    ranks = {name: np.ndim(value) for name, value in zip(outputs, reference)}
+                   outputs: Sequence[str], example: Mapping[str, np.ndarray],
+                   ranks: Mapping[str, int] | None = None, keep_first: int = 0) -> onnx.ModelProto:
+    """gradient_model after expand_gradients, checked by onnx.checker (full_check, which needs
+    the outputs' ranks: given, or found by running the unexpanded model at `example`)."""
+    new_nodes, new_initializers = expand_gradients(nodes, initializers, inputs, opset, example, keep_first=keep_first)
+    if ranks is None:
+        reference = run_onnxtrain(gradient_model(nodes, initializers, inputs, opset, outputs), example)
+        ranks = {name: np.ndim(value) for name, value in zip(outputs, reference)}
     model = gradient_model(new_nodes, initializers, inputs, opset, outputs, new_initializers, ranks)
-    assert not any(n.domain == TRAINING for n in model.graph.node)
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+def compare_expansion(nodes: Sequence, initializers: Mapping[str, np.ndarray], inputs: Sequence, opset: int,
+                      outputs: Sequence[str], feeds: Callable[[int], dict[str, np.ndarray]],
+                      batches: Sequence[int] = (4, 7), rtol: float = 1e-5, keep_first: int = 0) -> float:
+    """Expand the Gradient nodes once (example feeds at batches[0]); at every batch size, the
+    expanded graph in stock onnxruntime gives `outputs` as onnxtrain's Gradient does; at the
+    first, so does the expanded graph run by onnxtrain. Returns the worst relative error."""
+    reference = gradient_model(nodes, initializers, inputs, opset, outputs)
+    expected = {batch: run_onnxtrain(reference, feeds(batch)) for batch in batches}
+    ranks = {name: np.ndim(value) for name, value in zip(outputs, expected[batches[0]])}
+    expanded = expanded_model(nodes, initializers, inputs, opset, outputs, feeds(batches[0]), ranks, keep_first)
+    worst = assert_close(run_onnxtrain(expanded, feeds(batches[0])), expected[batches[0]], outputs, rtol)
+    for batch in batches:
+        worst = max(worst, assert_close(run_onnxruntime(expanded, feeds(batch)), expected[batch], outputs, rtol))
+    return worst
 
 
 def run_onnxruntime(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
