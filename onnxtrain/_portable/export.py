@@ -42,9 +42,8 @@ def portable_model(model: ModelProto) -> ModelProto:
         model: a training model (onnxtrain.proto) with its state values in its initializers.
 
     Returns:
-        A new model: no node of, and no opset import for, ai.onnx.preview.training. Main
-        graph nodes on a differentiated path may be rewritten into primitives computing the
-        same outputs (Gemm into MatMul and Add...).
+        A new model: no node of, and no opset import for, ai.onnx.preview.training; the
+        main graph's nodes as they were.
 
     Raises:
         ExportError: an op without a backward rule, an input whose rank is unknown, or an
@@ -56,10 +55,15 @@ def portable_model(model: ModelProto) -> ModelProto:
     out = ModelProto()
     out.CopyFrom(model)
     for index, info in enumerate(out.training_info):
-        main, algorithm, constants = _expanded(out, index)
-        main_constants = {name for proto in main for name in proto.input}
-        _replace_nodes(out.graph, main, [t for t in constants if t.name in main_constants])
-        _replace_nodes(info.algorithm, algorithm, [t for t in constants if t.name not in main_constants])
+        for proto in info.initialization.node:
+            if proto.domain in TRAINING_DOMAINS:
+                raise ExportError(f"portable export: training_info[{index}]'s initialization graph uses "
+                                  f"{proto.op_type} ({proto.domain}), which has no standard-op form here; "
+                                  "write the initialization with standard ops")
+        _, algorithm, constants = _expanded(out, index)
+        del info.algorithm.node[:]
+        info.algorithm.node.extend(algorithm)
+        info.algorithm.initializer.extend(constants)
     _drop_training_opsets(out)
     return out
 
@@ -190,30 +194,16 @@ def _expanded(model: ModelProto, index: int) -> tuple[list[NodeProto], list[Node
     inputs = [v for g in (model.graph, info.algorithm) for v in g.input]
     feeds = example_feeds([v for v in inputs if v.name not in initializers])
     nodes = [*model.graph.node, *info.algorithm.node]
-    expanded, gradient_constants = expand_gradients(nodes, initializers, inputs, opset, feeds)
+    # The main graph stays the inference graph as exported; the backward goes after it.
+    kept = len(model.graph.node)
+    expanded, gradient_constants = expand_gradients(nodes, initializers, inputs, opset, feeds, keep_first=kept)
     dtypes = {name: value.dtype for name, value in initializers.items()}
     expanded, optimizer_constants = expand_optimizers(expanded, dtypes, opset)
     for proto in expanded:
         if proto.domain in TRAINING_DOMAINS:
             raise ExportError(f"portable export: node {proto.name or proto.output[0]!r} ({proto.op_type}, "
                               f"domain {proto.domain}) has no standard-op form; remove it from the recipe")
-    split = _main_length(expanded, model.graph.node)
-    return expanded[:split], expanded[split:], [*gradient_constants, *optimizer_constants]
-
-
-def _main_length(expanded: Sequence[NodeProto], main: Sequence[NodeProto]) -> int:
-    """How many leading nodes of `expanded` stand for the main graph's nodes: up to the last
-    one writing a main graph node output (rewrites keep order and output names)."""
-    if not main:
-        return 0
-    written = {name for proto in main for name in proto.output}
-    return 1 + max(i for i, proto in enumerate(expanded) if written & set(proto.output))
-
-
-def _replace_nodes(graph: GraphProto, nodes: Sequence[NodeProto], constants: Sequence[TensorProto]) -> None:
-    del graph.node[:]
-    graph.node.extend(nodes)
-    graph.initializer.extend(constants)
+    return expanded[:kept], expanded[kept:], [*gradient_constants, *optimizer_constants]
 
 
 def _loss_name(model: ModelProto, algorithm: int, outputs: Sequence[ValueInfoProto]) -> str | None:
