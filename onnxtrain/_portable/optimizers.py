@@ -80,7 +80,9 @@ def _expand(e: Emitter, proto: NodeProto) -> None:
     step = _double(e, inputs[1], "T")
     rate = _double(e, inputs[0], "R")
     # T > 0 gates Momentum's beta and Adam's bias correction.
-    positive = e.add("Greater", [inputs[1], e.constant(np.zeros((), np.int64), "zero_int64")], "T_positive")
+    positive = e.add("Greater", [step, e.constant(np.zeros((), np.float64), "zero_double")], "T_positive")
+    # Each writer is called with work=None to write the scalar terms shared by the tensors of
+    # one dtype (it returns their names), then once per tensor with (inputs, outputs, shared).
     write = {"Adam": _adam, "Adagrad": _adagrad, "Momentum": _momentum}[proto.op_type]
     shared: dict[np.dtype, object] = {}
     for index in range(count):
@@ -142,7 +144,8 @@ def _adam(e: Emitter, proto: NodeProto, rate: str, step: str, positive: str, x: 
     norm_post = _float_attr(proto, "norm_coefficient_post", 0.0)
     g = _regularized(e, g, x, norm)
     e.emit("Add", [e.add("Mul", [_coefficient(e, alpha, v), v], "alpha_v"),
-                   e.add("Mul", [_coefficient(e, 1.0 - alpha, v), g], "one_minus_alpha_g")], [v_new], f"{e.scope}/v_new")
+                   e.add("Mul", [_coefficient(e, 1.0 - alpha, v), g], "one_minus_alpha_g")],
+           [v_new], f"{e.scope}/v_new")
     squared = e.add("Mul", [e.add("Mul", [_coefficient(e, 1.0 - beta, h), g], "one_minus_beta_g"), g],
                     "one_minus_beta_g_squared")
     e.emit("Add", [e.add("Mul", [_coefficient(e, beta, h), h], "beta_h"), squared], [h_new], f"{e.scope}/h_new")

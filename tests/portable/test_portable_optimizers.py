@@ -10,7 +10,7 @@ import importlib
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxtrain._portable.optimizers import expand_optimizers, is_optimizer
@@ -169,3 +169,14 @@ def test_unknown_dtype_raises_export_error_naming_the_tensor():
     node = helper.make_node("Adagrad", ["R", "T", "W", "G", "H"], ["W.new", "H.new"], domain=TRAINING, name="ada")
     with pytest.raises(ExportError, match=r"ada.*'W'.*dtype"):
         expand_optimizers([NodeProto.FromString(node.SerializeToString())], {}, 21)
+
+
+@pytest.mark.parametrize("op", ["Adam", "Adagrad", "Momentum"])
+def test_r_and_t_of_shape_one_and_a_scalar_tensor(op):
+    outputs, feeds = _feeds(op, 2, np.float32, count=1)
+    feeds = {k: (v.reshape(1) if k in ("R", "T") else v.ravel()[:1].reshape(())) for k, v in feeds.items()}
+    attributes = {"mode": "standard", "alpha": 0.9, "beta": 0.5, "norm_coefficient": 0.0} if op == "Momentum" else {}
+    node = helper.make_node(op, list(feeds), outputs, name="opt", domain=TRAINING, **attributes)
+    actual = run_onnxruntime(_expanded(node, feeds), feeds)
+    assert all(a.shape == () for a in actual)
+    assert_close(actual, run_onnxtrain(_single_node_model(node, feeds), feeds), outputs, rtol=1e-6, atol=1e-6)

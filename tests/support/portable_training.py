@@ -68,7 +68,8 @@ def _cnn_batchnorm():
         helper.make_node("Flatten", ["r2"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "W", "B"], ["logits"], name="fc", transB=1),
     ]
-    graph = helper.make_graph(nodes, "cnn_bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+    graph = helper.make_graph(nodes, "cnn_bn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
                               [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
