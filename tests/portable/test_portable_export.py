@@ -227,3 +227,35 @@ def test_cli_export_portable_and_inspect_show_the_manifest(tmp_path, capsys):
     for _ in range(3):
         np.testing.assert_allclose(rewritten.step(feeds)["loss"], original.step(feeds)["loss"], rtol=1e-6)
     np.testing.assert_allclose(rewritten.state["W"], original.state["W"], rtol=1e-6, atol=1e-7)
+
+
+def test_op_without_a_backward_rule_fails_the_export_naming_the_node(tmp_path):
+    from onnxtrain._recipe.builder import make_training_model
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+         helper.make_node("Atan", ["h"], ["logits"], name="my_atan")], "arctangent",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["batch", 3])],
+        [onnx.numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    trainer = onnxtrain.Trainer(make_training_model(model.SerializeToString(), loss="cross_entropy",
+                                                    optimizer="momentum"))
+    for portable in (True, "step"):
+        with pytest.raises(ExportError, match=r"my_atan.*Atan"):
+            trainer.export(tmp_path / "out.onnx", portable=portable)
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_example_feeds_follow_declared_shapes_and_refuse_unknown_ranks():
+    from onnxtrain._portable.export import EXAMPLE_AXIS, example_feeds
+    from onnxtrain.proto import ValueInfoProto
+
+    declared = [ValueInfoProto.FromString(helper.make_tensor_value_info(n, t, s).SerializeToString())
+                for n, t, s in (("x", onnx.TensorProto.FLOAT, ["batch", 5]), ("ids", onnx.TensorProto.INT64, [None, 2]))]
+    feeds = example_feeds(declared)
+    assert feeds["x"].shape == (EXAMPLE_AXIS, 5) and feeds["x"].dtype == np.float32
+    assert feeds["ids"].shape == (EXAMPLE_AXIS, 2) and not feeds["ids"].any()
+    unranked = ValueInfoProto.FromString(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None).SerializeToString())
+    with pytest.raises(ExportError, match="'z'.*shape"):
+        example_feeds([unranked])
