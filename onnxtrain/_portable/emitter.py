@@ -113,7 +113,7 @@ class Emitter:
         array = np.asarray(value, dtype=dtype)
         key = (array.dtype.str, array.shape, array.tobytes())
         if key not in self._constants:
-            name = self.fresh(hint) if self.scope else hint
+            name = self.fresh(hint)
             self.initializers.append(numpy_to_tensor(array, name))
             self._constants[key] = name
         return self._constants[key]
