@@ -22,7 +22,7 @@ from support.portable_training import (EXAMPLES, errors, forward_model, referenc
 
 # The bench MLP and CNN, a CNN with BatchNorm in training mode and Gemm, a tiny BERT encoder.
 CASES = [("mlp", "adam"), ("cnn", "momentum"), ("cnn_bn", "momentum"), ("mlp", "momentum"), ("cnn", "adam"),
-         ("cnn_bn", "adam"), ("bert", "adam")]
+         ("cnn_bn", "adam"), ("bert", "adam"), ("mlp", "adagrad")]
 TRAINING_DOMAINS = {"ai.onnx.preview.training", "ai.onnx.preview"}
 
 
@@ -71,8 +71,8 @@ def test_step_model_in_onnxruntime_reproduces_onnxtrain(name, optimizer, folder,
           f"with the optimizer slots {errors(actual, expected, state)}")
     assert measured["loss"] <= 1e-5 and measured["norm"] <= 1e-5, measured
     if optimizer == "momentum":
-        # Adam divides by sqrt(H) + 1e-8, which turns float noise in a near-zero gradient
-        # element into a full step: its worst single element is reported, not bounded.
+        # Adam and Adagrad divide by sqrt(H) + epsilon, which turns float noise in a near-zero
+        # gradient element into a full step: their worst single element is reported, not bounded.
         assert measured["max"] <= 1e-5, measured
     # The state moved: the run trained.
     assert errors(actual, reference_start(name, optimizer), state)["norm"] > 1e-4
@@ -141,7 +141,7 @@ def test_step_model_size_against_the_forward_model(name, optimizer, folder):
     assert nodes - optimizer_nodes <= 12 * len(recipe)
     assert optimizer_nodes <= 12 * parameters + 16
     # Weights plus one (Momentum) or two (Adam) slots each; nodes and small constants.
-    slots = 2 if optimizer == "adam" else 1
+    slots = 2 if optimizer == "adam" else 1  # Adagrad: H, Momentum: V
     assert size <= (1 + slots) * forward_size * 1.05 + 200 * nodes
 
 
