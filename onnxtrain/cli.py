@@ -7,6 +7,7 @@
                     --val-data V.npz --checkpoint C --inference-out SERVE.onnx]
     onnxtrain finetune MODEL --data D.npz --loss cross_entropy -o OUT [--optimizer adamw --lr 1e-3 ...]
     onnxtrain export MODEL [--checkpoint C] -o OUT   (an inference model for ONNX Runtime)
+    onnxtrain export MODEL --portable [step] -o OUT  (a training model for stock ONNX Runtime)
 
 Data files are .npz archives with one array per step input (e.g. x and labels), samples on
 axis 0; `train` and `finetune` cut them into batches here, with numpy. `--help` on any command
@@ -28,6 +29,7 @@ from onnxtrain import optim
 from onnxtrain.errors import InputError, OnnxTrainError
 from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe, optimizer_nodes
+from onnxtrain._portable.manifest import MANIFEST_KEY, StepManifest
 from onnxtrain._recipe.damage import REPAIRS, detect
 from onnxtrain._recipe.losses import BUILT_IN
 from onnxtrain.proto import ModelProto
@@ -60,6 +62,9 @@ def _demo(arguments: argparse.Namespace) -> int:
 def _inspect(arguments: argparse.Namespace) -> int:
     model = load_model(arguments.model)
     print(describe(model))
+    manifest = next((p.value for p in model.metadata_props if p.key == MANIFEST_KEY), None)
+    if manifest is not None:
+        print("\n".join(StepManifest.from_json(manifest).describe()))
     if not model.training_info:
         print(_trainable_section(model))
     findings = detect(model)
@@ -283,8 +288,16 @@ def _export(arguments: argparse.Namespace) -> int:
     trainer = Trainer(arguments.model)
     if arguments.checkpoint:
         trainer.load_checkpoint(arguments.checkpoint)
-    trainer.export(arguments.out, training=False)
-    print(f"wrote {arguments.out} (inference model, no training_info)")
+    if arguments.portable == "step":
+        trainer.export(arguments.out, portable="step")
+        print(f"wrote {arguments.out} (step model in standard ops: feed the state back each step; "
+              "`onnxtrain inspect` shows the manifest)")
+    elif arguments.portable:
+        trainer.export(arguments.out, portable=True)
+        print(f"wrote {arguments.out} (training model, training_info in standard ops)")
+    else:
+        trainer.export(arguments.out, training=False)
+        print(f"wrote {arguments.out} (inference model, no training_info)")
     return 0
 
 
@@ -379,7 +392,11 @@ def _parser() -> argparse.ArgumentParser:
     export = _command(commands, "export", "write a training model's inference model")
     export.add_argument("model", help="a training model (with training_info)")
     export.add_argument("--checkpoint", type=Path, help="restore this checkpoint first")
-    export.add_argument("-o", "--out", required=True, type=Path, help="the inference model to write")
+    export.add_argument("-o", "--out", required=True, type=Path, help="the model to write")
+    export.add_argument("--portable", nargs="?", const="training_info", choices=("training_info", "step"),
+                        help="write a training model in standard ONNX ops instead: training_info "
+                             "(the default) keeps the recipe's bindings; step writes a plain step model "
+                             "for runtimes without training_info (examples/portable_ort.py)")
     export.set_defaults(run=_export)
     return parser
 

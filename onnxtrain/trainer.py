@@ -23,9 +23,10 @@ from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
 from onnxtrain._engine.graph_step import GraphStep
 from onnxtrain._engine.placement import placement
-from onnxtrain._engine.programs import InferenceProgram, InitializationProgram, recorded_evaluation
-from onnxtrain._io.export import stored_key, without_payloads
+from onnxtrain._engine.programs import InferenceProgram, InitializationProgram, host_copy, recorded_evaluation
+from onnxtrain._io.export import stored_key, without_payloads, write_model
 from onnxtrain._io.model import ModelSource, load_model
+from onnxtrain._portable.export import portable_transform
 from onnxtrain._recipe.training_info import initial_values, validate
 from onnxtrain.errors import BindingError
 from onnxtrain.proto import ModelProto
@@ -151,7 +152,8 @@ class Trainer(Core):
             self._store.place(self._placement.place_state, self._placement.replicate)
 
     def export(self, path: str | os.PathLike, training: bool = True,
-               external_data: bool | str | None = None, merge: bool | None = None) -> None:
+               external_data: bool | str | None = None, merge: bool | None = None,
+               portable: bool | str = False) -> None:
         """Write the model with every state variable's current value in its initializer.
 
         Args:
@@ -165,17 +167,35 @@ class Trainer(Core):
                 adapted weight; False writes the graph with the adapter branch and, beside
                 it, the adapter-only file `<path without .onnx>.adapter.onnx`. A training
                 export keeps the branch with A and B as state (merge=True is refused).
+            portable: for stock runtimes that lack ai.onnx.preview.training (training=True
+                only). True keeps training_info with its algorithms written in standard ops
+                (Gradient expanded into the backward, optimizers into their formulas), so
+                Trainer(path) gives the same steps. "step" writes the first algorithm as a
+                plain model (no training_info): inputs are the feeds and every state
+                variable (named as the variable, its current value as the initializer of
+                that name), outputs are the algorithm's unbound outputs and the next state;
+                the JSON manifest in metadata_props["onnxtrain.step"] pairs them
+                (docs/design/portable.md, examples/portable_ort.py).
 
         Returns:
             None; the file at `path` is complete once this returns.
 
         Raises:
-            ExportError: the file cannot be written, or merge does not apply (see merge).
+            ExportError: the file cannot be written, merge does not apply (see merge), or
+                portable is asked for an inference export or an op without a standard-op form.
 
         Example:
             >>> trainer.export("model.trained.onnx", training=False)   # for ONNX Runtime
+            >>> trainer.export("model.step.onnx", portable="step")     # for stock ONNX Runtime
         """
-        self._write(path, training, external_data, merge)
+        if portable is False:
+            self._write(path, training, external_data, merge)
+            return
+        transform = portable_transform(portable, training, merge)
+        with self._store.transaction():
+            values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
+            key = self._store.key
+        write_model(self._model, values, self._home, path, key, external_data, transform)
 
     def __repr__(self) -> str:
         return (f"Trainer({self._model.graph.name or 'model'!r}: {len(self.state_names)} state "
