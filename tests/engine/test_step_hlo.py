@@ -25,8 +25,9 @@ from support.model_factory import conv_classifier
 pytestmark = pytest.mark.slow  # each test compiles training steps to read their optimized HLO
 
 RNG = np.random.default_rng(0)
-# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op.
-WEIGHTS = {"C": RNG.normal(size=(4, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(144, 5)).astype(np.float32)}
+# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op;
+# 9x9 images: a conv with few output positions would run as a matrix product.
+WEIGHTS = {"C": RNG.normal(size=(4, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(324, 5)).astype(np.float32)}
 OPS = ("dot", "convolution", "exponential", "log")
 
 
@@ -35,7 +36,7 @@ def _counts(hlo: str) -> dict[str, int]:
 
 
 def _onnx_model():
-    model = conv_classifier(WEIGHTS["C"], WEIGHTS["W"], activation="Tanh")
+    model = conv_classifier(WEIGHTS["C"], WEIGHTS["W"], activation="Tanh", size=9)
     return onnxtrain.make_training_model(model, loss="cross_entropy", optimizer=onnxtrain.optim.SGD(lr=0.1))
 
 
@@ -61,7 +62,7 @@ def _step_hlo(trainer: onnxtrain.Trainer, feeds: dict) -> str:
 
 
 def test_forward_pass_is_computed_once_per_step():
-    x = RNG.normal(size=(8, 3, 6, 6)).astype(np.float32)
+    x = RNG.normal(size=(8, 3, 9, 9)).astype(np.float32)
     labels = RNG.integers(0, 5, 8).astype(np.int64)
     ours = _step_hlo(onnxtrain.Trainer(_onnx_model(), nan_policy="ignore"), {"x": x, "labels": labels})
     expected = _counts(_hand_written_hlo(jnp.asarray(x), jnp.asarray(labels, jnp.int32)))

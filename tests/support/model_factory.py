@@ -83,14 +83,14 @@ def tensors_everywhere_model(size: int = 64) -> onnx.ModelProto:
     return model
 
 
-def conv_classifier(kernel: np.ndarray, dense: np.ndarray, activation: str = "Relu") -> onnx.ModelProto:
-    """x[batch, channels, 6, 6] -> Conv (3x3, pads 1, no bias) -> activation -> Flatten -> MatMul,
-    with `kernel` as initializer C and `dense` as W."""
+def conv_classifier(kernel: np.ndarray, dense: np.ndarray, activation: str = "Relu", size: int = 6) -> onnx.ModelProto:
+    """x[batch, channels, size, size] -> Conv (3x3, pads 1, no bias) -> activation -> Flatten ->
+    MatMul, with `kernel` as initializer C and `dense` as W."""
     channels, classes = kernel.shape[1], dense.shape[1]
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "C"], ["c"], pads=[1, 1, 1, 1]), helper.make_node(activation, ["c"], ["a"]),
          helper.make_node("Flatten", ["a"], ["f"]), helper.make_node("MatMul", ["f", "W"], ["logits"])],
-        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, 6, 6])],
+        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, size, size])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
         [numpy_helper.from_array(kernel, "C"), numpy_helper.from_array(dense, "W")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)

@@ -18,14 +18,15 @@ from onnxtrain.translate import compiler_options
 from support.model_factory import conv_classifier
 
 RNG = np.random.default_rng(0)
-# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op. With
-# XLA's defaults, YNNPACK takes a convolution from 32 output channels on.
-WEIGHTS = {"C": RNG.normal(size=(32, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(1152, 5)).astype(np.float32)}
-FEEDS = {"x": RNG.normal(size=(8, 3, 6, 6)).astype(np.float32), "labels": RNG.integers(0, 5, 8).astype(np.int64)}
+# Three input channels: a 1-channel conv would run as shifted slices, not a convolution op; 9x9
+# images: a conv with few output positions would run as one matrix product. With XLA's
+# defaults, YNNPACK takes a convolution from 32 output channels on.
+WEIGHTS = {"C": RNG.normal(size=(32, 3, 3, 3)).astype(np.float32), "W": RNG.normal(size=(2592, 5)).astype(np.float32)}
+FEEDS = {"x": RNG.normal(size=(8, 3, 9, 9)).astype(np.float32), "labels": RNG.integers(0, 5, 8).astype(np.int64)}
 
 
 def _inference_model():
-    return conv_classifier(WEIGHTS["C"], WEIGHTS["W"])
+    return conv_classifier(WEIGHTS["C"], WEIGHTS["W"], size=9)
 
 
 def _training_model():
@@ -117,7 +118,7 @@ def test_a_translated_model_runs_inside_a_callers_jit_and_vmap_where_jax_refuses
     expected = np.asarray(translated(params, {"x": x})["logits"])
     traced = jax.jit(lambda x: translated(params, {"x": x})["logits"])(x)
     closure = jax.jit(lambda: translated(params, {"x": x})["logits"])()
-    mapped = jax.vmap(lambda x: translated(params, {"x": x})["logits"])(x.reshape(2, 4, 3, 6, 6))
+    mapped = jax.vmap(lambda x: translated(params, {"x": x})["logits"])(x.reshape(2, 4, 3, 9, 9))
     # XLA's and YNNPACK's convolutions round differently.
     for result in (traced, closure, np.reshape(mapped, (8, 5))):
         np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)

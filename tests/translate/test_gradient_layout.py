@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow  # each test compiles a convolutional training ste
 
 RNG = np.random.default_rng(0)
 KERNEL = RNG.normal(size=(32, 16, 3, 3)).astype(np.float32) * 0.1
-DENSE = RNG.normal(size=(32 * 36, 5)).astype(np.float32) * 0.05
-FEEDS = {"x": RNG.normal(size=(8, 16, 6, 6)).astype(np.float32), "labels": RNG.integers(0, 5, 8).astype(np.int64)}
+# 9x9 images: a convolution with few output positions would run as a matrix product.
+DENSE = RNG.normal(size=(32 * 81, 5)).astype(np.float32) * 0.05
+FEEDS = {"x": RNG.normal(size=(8, 16, 9, 9)).astype(np.float32), "labels": RNG.integers(0, 5, 8).astype(np.int64)}
 
 
 def _kernel_gradient_users(hlo: str) -> list[int]:
@@ -44,14 +45,14 @@ def _kernel_gradient_users(hlo: str) -> list[int]:
 
 
 def _trainer_hlo() -> str:
-    model = onnxtrain.make_training_model(conv_classifier(KERNEL, DENSE), loss="cross_entropy",
+    model = onnxtrain.make_training_model(conv_classifier(KERNEL, DENSE, size=9), loss="cross_entropy",
                                           optimizer=onnxtrain.optim.Adam(lr=1e-3))
     trainer = onnxtrain.Trainer(model, nan_policy="ignore")
     return trainer.lowered(FEEDS).compile().as_text()
 
 
 def _finetuner_hlo() -> str:
-    tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE), "cross_entropy", optax.adam(1e-3))
+    tuner = onnxtrain.finetune(conv_classifier(KERNEL, DENSE, size=9), "cross_entropy", optax.adam(1e-3))
     return tuner.lowered(FEEDS).compile().as_text()
 
 
@@ -66,7 +67,7 @@ def test_kernel_gradients_are_read_once_by_the_optimizer(hlo):
 def test_a_gradient_bound_to_state_as_it_is_updates_in_place(nan_policy):
     """A layout-pinned gradient that the step returns unchanged must still fill the donated
     buffer of the state variable it is bound to."""
-    ours = onnxtrain.make_training_model(conv_classifier(KERNEL, DENSE), loss="cross_entropy",
+    ours = onnxtrain.make_training_model(conv_classifier(KERNEL, DENSE, size=9), loss="cross_entropy",
                                          optimizer=onnxtrain.optim.SGD(lr=0.1))
     model = onnx.ModelProto.FromString(ours.SerializeToString())
     model.graph.initializer.append(numpy_helper.from_array(np.zeros_like(KERNEL), "C.last_grad"))

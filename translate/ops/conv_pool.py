@@ -245,6 +245,32 @@ def conv_by_taps_jvp(window: Window, group: int, primals: tuple, tangents: tuple
 conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
 
 
+# Convolutions with at most this many output positions per image go to conv_by_patches.
+# XLA:CPU's convolution is slow on small spatial sizes: on a feature map smaller than its
+# kernel (a 3x3 layer on 2x2, as ResNet's last stage on a 64x64 image) XLA swaps the
+# operands into a convolution many times slower, and its weight gradients there are slow
+# too; one matrix product over the windows' elements beats it up to here (see
+# bench/RESULTS.md, "Exported CNNs: slow paths (issue 36)").
+PATCHES_LIMIT = 64
+
+
+def uses_patches(x: Any, w: Any, window: Window) -> bool:
+    return summable_by_taps(x, w) and math.prod(window.output_sizes(x.shape[2:])) <= PATCHES_LIMIT
+
+
+def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
+    """A convolution as one matrix product per group between every window's elements
+    (input channel x kernel position) and the weights; autodiff of the slices and the
+    product gives the gradients, again products and slice sums."""
+    outputs = window.output_sizes(x.shape[2:])
+    batch, out_channels, per_group = x.shape[0], w.shape[0], w.shape[1]
+    # (taps, N, C, *outputs) -> (taps, N, group, C per group, positions)
+    patches = window_patches(x, window, outputs, 0).reshape(-1, batch, group, per_group, math.prod(outputs))
+    weights = w.reshape(group, out_channels // group, per_group, -1)
+    y = jnp.einsum("kngcp,gock->ngop", patches, weights, precision=lax.Precision.HIGHEST)
+    return y.reshape(batch, out_channels, *outputs)
+
+
 # A depthwise convolution (every output channel reads its own input channel) as a bilinear
 # primitive: its forward and input gradient are sum_of_tap_products and that sum's
 # transpose, its weight gradient one pass over input and cotangent that sums every tap's
@@ -320,7 +346,9 @@ def conv(node: Any, x: Any, w: Any, b: Any = None) -> Any:
         multiplier = w.shape[0] // group
         y = depthwise_conv(x if multiplier == 1 else jnp.repeat(x, multiplier, axis=1), w, window)
     else:
-        y = (conv_by_taps if uses_taps(x, w, window) else library_conv)(x, w, window, group)
+        lowering = (conv_by_taps if uses_taps(x, w, window)
+                    else conv_by_patches if uses_patches(x, w, window) else library_conv)
+        y = lowering(x, w, window, group)
     return y if b is None else y + bias_shaped(b, rank)
 
 

@@ -1,0 +1,108 @@
+"""Convolutions with few output positions run as one matrix product (conv_by_patches).
+
+XLA:CPU's own convolution is slow there: on a feature map smaller than the kernel (ResNet's
+last stage on a 64x64 image) it swaps the operands into a convolution with a reversed
+kernel. Oracles: onnxruntime for values, central finite differences in float64 for
+gradients, the compiled HLO for the lowering.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain.translate.ops.conv_pool import PATCHES_LIMIT
+from support.op_testing import finite_difference, single_op_feeds, single_op_model, translate
+
+CASES = {
+    # ResNet-18's last stage on a 64x64 image: 3x3, pads 1, on 2x2.
+    "smaller-than-kernel": ((2, 16, 2, 2), (16, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "strided": ((2, 8, 4, 4), (12, 8, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    "1x1-strided": ((2, 8, 4, 4), (12, 8, 1, 1), dict(strides=[2, 2])),
+    "grouped-dilated": ((1, 8, 5, 6), (6, 4, 2, 3), dict(group=2, dilations=[2, 1], pads=[1, 0, 0, 2])),
+    "regnet-groups": ((2, 32, 3, 3), (32, 8, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    "same-upper": ((1, 4, 5, 5), (3, 4, 4, 2), dict(auto_pad="SAME_UPPER", strides=[2, 1])),
+    "1-d": ((3, 4, 9), (5, 4, 3), dict(strides=[2], pads=[1, 2])),
+    "3-d": ((1, 3, 3, 4, 2), (4, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 0, 0])),
+}
+
+
+def _arrays(shape, kernel, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype), rng.standard_normal(kernel).astype(dtype),
+            rng.standard_normal(kernel[0]).astype(dtype)]
+
+
+def _program(inputs, **attributes) -> str:
+    fn = translate(single_op_model("Conv", inputs, 22, **attributes))
+    return jax.jit(lambda values: fn(fn.params, values)["Y0"]).lower(single_op_feeds(inputs)).compile().as_text()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_small_convolutions_match_onnxruntime_without_a_convolution_op(case):
+    import onnxruntime
+
+    shape, kernel, attributes = CASES[case]
+    inputs = _arrays(shape, kernel, np.float32, list(map(ord, case)))
+    model = single_op_model("Conv", inputs, 22, **attributes)
+    model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, single_op_feeds(inputs))
+    fn = translate(model)
+    actual = np.asarray(fn(fn.params, single_op_feeds(inputs))["Y0"])
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    assert " convolution(" not in _program(inputs, **attributes)
+
+
+@pytest.mark.parametrize("case", ["smaller-than-kernel", "grouped-dilated", "same-upper", "1-d", "3-d"])
+@pytest.mark.parametrize("wrt", [0, 1, 2], ids=["input", "weights", "bias"])
+def test_small_convolution_gradients_match_finite_differences(case, wrt):
+    shape, kernel, attributes = CASES[case]
+    if case == "smaller-than-kernel":
+        shape, kernel = (1, 3, 2, 2), (4, 3, 3, 3)
+    inputs = _arrays(shape, kernel, np.float64, [wrt, *map(ord, case)])
+    with jax.enable_x64(True):
+        fn = translate(single_op_model("Conv", inputs, 22, **attributes))
+        values = single_op_feeds(inputs)
+        y = np.asarray(fn(fn.params, values)["Y0"])
+        cotangent = np.random.default_rng(len(case)).standard_normal(y.shape)
+
+        @jax.jit
+        def objective(x):
+            return jnp.sum(fn.apply(fn.params, {**values, f"X{wrt}": x})["Y0"] * cotangent)
+
+        analytic = np.asarray(jax.grad(objective)(jnp.asarray(inputs[wrt])))
+        numeric = finite_difference(lambda x: float(objective(x)), inputs[wrt])
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7)
+
+
+def test_the_patches_limit_is_on_output_positions_per_image():
+    """8x8 outputs (the limit) run as a product, 9x9 on XLA's convolution; half precision
+    keeps the library convolution, whose wider accumulation a product in half would lose."""
+    assert PATCHES_LIMIT == 64
+    kernel = np.ones((4, 8, 3, 3), np.float32)
+    at_limit = [np.ones((2, 8, 8, 8), np.float32), kernel]
+    above = [np.ones((2, 8, 9, 9), np.float32), kernel]
+    half = [a.astype(np.float16) for a in at_limit]
+    assert " convolution(" not in _program(at_limit, pads=[1, 1, 1, 1])
+    assert " convolution(" in _program(above, pads=[1, 1, 1, 1])
+    assert " convolution(" in _program(half, pads=[1, 1, 1, 1])
+
+
+@pytest.mark.slow
+def test_the_training_step_of_a_last_stage_has_no_swapped_convolution():
+    """Forward and both gradients of a 3x3 layer on a 2x2 map compile to products, with no
+    convolution and no reversed kernel (what XLA's operand swap leaves behind)."""
+    x, w, b = _arrays((4, 64, 2, 2), (64, 64, 3, 3), np.float32, 0)
+    fn = translate(single_op_model("Conv", [x, w, b], 22, pads=[1, 1, 1, 1]))
+
+    def loss(w, b, x):
+        return jnp.sum(jnp.tanh(fn.apply(fn.params, {"X0": x, "X1": w, "X2": b})["Y0"]))
+
+    program = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(w, b, x).compile().as_text()
+    assert " convolution(" not in program and " reverse(" not in program
+    assert " dot(" in program
