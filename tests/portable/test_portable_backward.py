@@ -4,14 +4,13 @@ from one expanded graph."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
+from support.portable_training import tiny_bert_model
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -100,35 +99,10 @@ def test_op_without_rule_raises_export_error_naming_the_node():
 
 
 @pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory) -> onnx.ModelProto:
-    """BertForSequenceClassification (hidden 32, 2 layers, 2 heads, 3 labels, dropout 0) exported
-    by torch.onnx's dynamo exporter with a dynamic batch; inputs input_ids, attention_mask."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("onnxscript")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=32, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    config._attn_implementation = "eager"
-    bert = transformers.BertForSequenceClassification(config).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids, attention_mask):
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask, return_dict=False)[0]
-
-    path = tmp_path_factory.mktemp("portable") / "bert.onnx"
-    batch = torch.export.Dim("batch", min=2, max=64)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Logits(), (torch.randint(0, 100, (4, 8)), torch.ones(4, 8, dtype=torch.int64)), str(path),
-                          dynamo=True, input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                          dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}})
-    return onnx.load(path)
+def tiny_bert() -> onnx.ModelProto:
+    """support.portable_training's tiny BERT (dynamo export, dynamic batch; inputs
+    input_ids, attention_mask)."""
+    return tiny_bert_model()
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ def forward_model(name: str):
         return models.cnn_onnx(models.cnn_weights())
     if name == "cnn_bn":
         return _cnn_batchnorm()
-    return _tiny_bert()
+    return tiny_bert_model()
 
 
 def _cnn_batchnorm():
@@ -75,7 +75,7 @@ def _cnn_batchnorm():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def _tiny_bert():
+def tiny_bert_model():
     """BertForSequenceClassification (hidden 32, 2 layers, 2 heads, 3 labels, dropout 0),
     dynamic batch; inputs input_ids, attention_mask[batch, 8]."""
     import contextlib
