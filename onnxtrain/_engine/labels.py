@@ -10,7 +10,7 @@ on the whole input.
 
 The check reads host arrays only (numpy, and what the feed check converted to numpy: torch
 tensors, lists); a jax.Array is left alone, since reading it back would wait for the device.
-Its cost is a min and a max over the labels; the offending index is searched only on failure.
+Its cost is one pass over the labels; the offending index is searched only on failure.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class LabelRule:
         """Raise InputError if a label of `value` is neither a class nor the ignore_index."""
         if not isinstance(value, np.ndarray) or value.size == 0 or value.dtype.kind not in "iu":
             return
-        low, high = value.min(), value.max()
-        if low >= 0 and (self.classes is None or high < self.classes):
+        if self.classes is None:
+            if value.min() >= 0:
+                return
+        elif value.view(f"u{value.itemsize}").max() < self.classes:
+            # Read as unsigned, a negative label is larger than any class: one pass checks both ends.
             return
         bad = value < 0
         if self.classes is not None:

@@ -193,3 +193,65 @@ def weights(name: str) -> list[str]:
     compares. Optimizer slots are left out: a conv bias followed by BatchNorm has a zero
     gradient in exact arithmetic, so its momentum holds rounding noise only."""
     return [t.name for t in forward_model(name).graph.initializer]
+
+
+def _as_float64(model):
+    """A copy of `model` computing in float64: float32 inputs, outputs, initializers, Cast
+    targets and constant values become float64."""
+    from onnx import AttributeProto, TensorProto, numpy_helper
+
+    model = type(model).FromString(model.SerializeToString())
+
+    def widen(tensor):
+        return numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name)
+
+    def convert(graph):
+        for value in [*graph.input, *graph.output]:
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                value.type.tensor_type.elem_type = TensorProto.DOUBLE
+        del graph.value_info[:]
+        for index, tensor in enumerate(graph.initializer):
+            if tensor.data_type == TensorProto.FLOAT:
+                graph.initializer[index].CopyFrom(widen(tensor))
+        for node in graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "Cast" and attribute.name == "to" and attribute.i == TensorProto.FLOAT:
+                    attribute.i = TensorProto.DOUBLE
+                elif attribute.type == AttributeProto.TENSOR and attribute.t.data_type == TensorProto.FLOAT:
+                    attribute.t.CopyFrom(widen(attribute.t))
+                elif attribute.type == AttributeProto.GRAPH:
+                    convert(attribute.g)
+
+    convert(model.graph)
+    return model
+
+
+def exact_run(step_path: str, name: str) -> Run:
+    """The step model's STEPS steps in float64 (onnx.reference on a float64 copy): the exact
+    trajectory that onnxtrain's and onnxruntime's float32 runs both approximate."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.ops.op_one_hot import OneHot as ReferenceOneHot, _one_hot
+
+    class OneHot(ReferenceOneHot):  # new_ops matches classes by name
+        # onnx.reference's OneHot takes depth as a scalar only; the spec allows one element.
+        def _run(self, indices, depth, values, axis=None):
+            hot = _one_hot(indices, int(np.ravel(depth)[0]), axis=axis, dtype=values.dtype)
+            return (hot * (values[1] - values[0]) + values[0],)
+
+    model = onnx.load(step_path)
+    manifest = json.loads({p.key: p.value for p in model.metadata_props}["onnxtrain.step"])
+    wide = _as_float64(model)
+    stored = {t.name: numpy_helper.to_array(t) for t in wide.graph.initializer}
+    state = {name: stored[initial] for name, initial in manifest["initial"].items()}
+    evaluator = ReferenceEvaluator(wide, new_ops=[OneHot])
+    outputs = [output.name for output in wide.graph.output]
+    data = batches(name)
+    losses = []
+    for step in range(STEPS):
+        feeds = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in data[step % len(data)].items()}
+        results = dict(zip(outputs, evaluator.run(None, {**feeds, **state})))
+        state.update({name: results[output] for name, output in manifest["state"]})
+        losses.append(float(results[manifest["loss"]]))
+    return Run(np.asarray(losses), state)
