@@ -501,6 +501,21 @@ def train_step_jax(forward):
     return jax.jit(_adam_step(forward), donate_argnums=0)
 
 
+def train_step_jax_guarded(forward):
+    """train_step_jax with the guarantee onnxtrain's default step gives, written by hand: the
+    new state and the loss are checked for NaN/Inf in the same program, and a faulty step
+    returns the old state. step(state, x, labels) -> (state, loss, finite)."""
+    step = _adam_step(forward)
+
+    def guarded(state, x, labels):
+        new, loss = step(state, x, labels)
+        checked = [leaf for leaf in jax.tree.leaves((new, loss)) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in checked]))
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state), loss, finite
+
+    return jax.jit(guarded, donate_argnums=0)
+
+
 def train_steps_jax(forward):
     """K steps per compiled call, the way one writes it by hand: jax.jit of a lax.scan of
     _adam_step over a stack of K batches, state donated.

@@ -50,6 +50,7 @@ SYSTEMS = {"onnxtrain-step": ("onnxtrain_step.py", {}),
            "onnxtrain-fit-unchecked": ("onnxtrain_fit.py", {"nan_policy": "ignore"}),
            "onnxtrain-fit-k1": ("onnxtrain_fit.py", {"steps_per_call": 1}),
            "jax-handwritten": ("jax_handwritten.py", {}),
+           "jax-handwritten-guarded": ("jax_handwritten.py", {"guarded": True}),
            "jax-handwritten-scan": ("jax_handwritten_scan.py", {}),
            "ort-training": ("ort_training.py", {}), "torch-eager": ("torch_eager.py", {})}
 # Rows that run several steps per compiled call: their JAX reference is the faster of the two
@@ -133,9 +134,17 @@ def summarize(runs: list[dict]) -> dict:
             "first_loss": runs[0]["first_loss"], "note": runs[0].get("note", "")}
 
 
+# Single-step rows with onnxtrain's NaN/Inf guard: compared with the hand-written step that
+# gives the same guarantee, not with one that checks nothing.
+GUARDED = {"onnxtrain-step", "onnxtrain-fit-k1"}
+
+
 def _jax_reference(system: str, systems: dict[str, dict | str]) -> dict | None:
-    """The hand-written JAX row `system` is compared with (see MULTI_STEP)."""
-    names = ["jax-handwritten", "jax-handwritten-scan"] if system in MULTI_STEP else ["jax-handwritten"]
+    """The hand-written JAX row `system` is compared with (see MULTI_STEP and GUARDED)."""
+    if system in MULTI_STEP:
+        names = ["jax-handwritten", "jax-handwritten-scan"]
+    else:
+        names = ["jax-handwritten-guarded" if system in GUARDED else "jax-handwritten"]
     rows = [row for name in names if isinstance(row := systems.get(name), dict)]
     return min(rows, key=lambda row: row["median"]) if rows else None
 
@@ -249,8 +258,11 @@ the process compiles only what fit runs; onnxtrain-fit-unchecked is the same und
 of one step per call: each step is a compiled call of its own, its loss and NaN/Inf check
 read one step later, so it is a single-step row. jax-handwritten-scan is onnxtrain-fit's hand-written
 counterpart: a `lax.scan` over 8 stacked batches per `jax.jit` call, timed the same way, the
-losses read one call late. **× JAX** and **RSS × JAX** compare a single-step row with
-jax-handwritten, and a multi-step row (onnxtrain-fit, -fit-unchecked, jax-handwritten-scan) with the faster
+losses read one call late. jax-handwritten-guarded is jax-handwritten with the guarantee of
+onnxtrain's default step: the new state and the loss checked for NaN/Inf in the same program,
+the old state kept on a fault, the flag read with the loss. **× JAX** and **RSS × JAX**
+compare the guarded single-step rows (onnxtrain-step, onnxtrain-fit-k1) with
+jax-handwritten-guarded, the other single-step rows with jax-handwritten, and a multi-step row (onnxtrain-fit, -fit-unchecked, jax-handwritten-scan) with the faster
 of the two hand-written rows: on the CNN a convolution inside XLA:CPU's loop runs several
 times slower, so there the single-step one. **Peak RSS** is the process's
 VmHWM from /proc/self/status (median over rounds; not `ru_maxrss`, which on Linux is never

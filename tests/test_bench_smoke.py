@@ -33,15 +33,18 @@ def test_table_compares_multi_step_rows_with_the_faster_hand_written_jax(monkeyp
         return {"median": median, "per_round": [median], "p10": median, "p90": median, "rss": rss,
                 "first_loss": 1.0, "note": ""}
 
-    results = {"cnn": {"onnxtrain-step": row(0.024, 330), "onnxtrain-fit": row(0.022, 360),
-                       "jax-handwritten": row(0.020, 300), "jax-handwritten-scan": row(0.100, 320),
+    results = {"cnn": {"onnxtrain-step": row(0.024, 330), "onnxtrain-step-unchecked": row(0.023, 330),
+                       "onnxtrain-fit": row(0.022, 360), "jax-handwritten": row(0.020, 300),
+                       "jax-handwritten-guarded": row(0.021, 300), "jax-handwritten-scan": row(0.100, 320),
                        "ort-training": row(0.025, 90)},
                "mlp": {"onnxtrain-fit": row(0.0012, 280), "jax-handwritten": row(0.0010, 250),
                        "jax-handwritten-scan": row(0.0008, 350)}}
     cells = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[6:11]]
              for line in _bench_run_module(monkeypatch).table(results).splitlines()[2:]}
     # × JAX, × ORT, RSS MB, RSS × JAX, RSS × ORT
-    assert cells["cnn", "onnxtrain-step"] == ["1.20", "0.96", "330", "1.10", "3.67"]
+    # The guarded step against the guarded hand-written one; the unchecked against the plain.
+    assert cells["cnn", "onnxtrain-step"] == ["1.14", "0.96", "330", "1.10", "3.67"]
+    assert cells["cnn", "onnxtrain-step-unchecked"] == ["1.15", "0.92", "330", "1.10", "3.67"]
     assert cells["cnn", "onnxtrain-fit"] == ["1.10", "0.88", "360", "1.20", "4.00"]
     assert cells["cnn", "jax-handwritten-scan"] == ["5.00", "4.00", "320", "1.07", "3.56"]
     assert cells["mlp", "onnxtrain-fit"] == ["1.50", "—", "280", "0.80", "—"]
@@ -58,24 +61,46 @@ def test_time_ratios_pair_the_processes_of_each_round(monkeypatch):
     def runs(rounds):
         return [{"times": [seconds], "peak_rss_mb": 100, "first_loss": 1.0} for seconds in rounds]
 
-    results = {"mlp": {"onnxtrain-step": run.summarize(runs(onnxtrain_rounds)),
+    results = {"mlp": {"onnxtrain-step-unchecked": run.summarize(runs(onnxtrain_rounds)),
                        "jax-handwritten": run.summarize(runs(jax_rounds))}}
-    line = next(line for line in run.table(results).splitlines() if "| onnxtrain-step |" in line)
+    line = next(line for line in run.table(results).splitlines() if "| onnxtrain-step-unchecked |" in line)
     # The medians alone would say 2.2 / 1.0.
     assert line.split("|")[6].strip() == "1.10"
+
+
+def test_guarded_hand_written_step_keeps_the_state_on_a_fault(monkeypatch):
+    """The reference for onnxtrain's default step gives its guarantee: a batch with a NaN
+    leaves every state value as it was and says so; a clean batch updates them."""
+    import numpy as np
+
+    models = _bench_run_module(monkeypatch).models
+    step = models.train_step_jax_guarded(models.JAX_FORWARD["mlp"])
+    state = models.adam_state_jax(models.mlp_weights())
+    before = [np.asarray(leaf) for leaf in models.jax.tree.leaves(state)]
+    x = np.random.default_rng(0).standard_normal((4, 784)).astype(np.float32)
+    labels = np.arange(4)
+    x[1, 3] = np.nan
+    state, loss, finite = step(state, x, labels)
+    assert not bool(finite) and np.isnan(float(loss))
+    for old, new in zip(before, models.jax.tree.leaves(state)):
+        np.testing.assert_array_equal(old, np.asarray(new))
+    x[1, 3] = 0.0
+    state, loss, finite = step(state, x, labels)
+    assert bool(finite) and np.isfinite(float(loss))
+    assert not np.array_equal(before[0], np.asarray(models.jax.tree.leaves(state)[0]))
 
 
 @pytest.mark.slow
 def test_quick_benchmark_prints_a_table_with_every_jax_system():
     """The multi-step rows' first losses come from their first call: the spread check covers them."""
-    systems = ["onnxtrain-step", "onnxtrain-fit", "jax-handwritten", "jax-handwritten-scan"]
+    systems = ["onnxtrain-step", "onnxtrain-fit", "jax-handwritten", "jax-handwritten-guarded", "jax-handwritten-scan"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--models", "mlp", "--systems", ",".join(systems)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| mlp |")]
     assert [row.split("|")[2].strip().split(" (")[0] for row in rows] == systems, done.stdout
-    assert "over 4 systems" in done.stdout and "MISMATCH" not in done.stdout
+    assert "over 5 systems" in done.stdout and "MISMATCH" not in done.stdout
 
 
 @pytest.mark.slow
