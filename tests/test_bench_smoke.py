@@ -68,6 +68,7 @@ def test_time_ratios_pair_the_processes_of_each_round(monkeypatch):
     assert line.split("|")[6].strip() == "1.10"
 
 
+@pytest.mark.slow
 def test_guarded_hand_written_step_keeps_the_state_on_a_fault(monkeypatch):
     """The reference for onnxtrain's default step gives its guarantee: a batch with a NaN
     leaves every state value as it was and says so; a clean batch updates them."""

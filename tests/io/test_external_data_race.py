@@ -185,6 +185,7 @@ def check_race(tally: dict, record_property) -> None:
     assert tally["true_weights"] > 0 and sum(tally["typed_errors"].values()) > 0
 
 
+@pytest.mark.slow
 def test_a_folder_rewritten_during_loads_quick(tmp_path, record_property):
     check_race(race(tmp_path, 2.0), record_property)
 

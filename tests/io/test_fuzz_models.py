@@ -253,6 +253,7 @@ def test_load_mutation_classes_raise_only_onnxtrain_errors(name: str, tmp_path: 
     assert counts == Counter({mutation.__name__: LOAD_CLASS_RUNS for mutation in LOAD_CLASSES})
 
 
+@pytest.mark.slow
 def test_structural_mutation_classes_raise_only_onnxtrain_errors(tmp_path: Path, record_property) -> None:
     """Every structural class that reaches translation (broken SSA, '' names, order, scoping,
     impossible dims, huge shape constants, broken sparse tensors, depth past the limit, ...)

@@ -211,6 +211,7 @@ def _tiny_mlp() -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("loss", ["mse", "l1", "bce_with_logits", "cross_entropy"])
+@pytest.mark.slow
 def test_make_training_model_losses_expand(loss):
     training = make_training_model(_tiny_mlp().SerializeToString(), loss=loss, optimizer="sgd")
 

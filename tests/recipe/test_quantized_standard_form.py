@@ -16,6 +16,7 @@ pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
 
 
 @pytest.mark.parametrize("bits, symmetric", [(8, False), (8, True), (4, False), (4, True)])
+@pytest.mark.slow
 def test_standard_form_computes_what_matmul_nbits_computes(bits, symmetric):
     """K = 48: three blocks of 16, an odd count, so 4-bit zero points are repacked per row."""
     base = quantized(float_mlp(k=48, n=32), bits, symmetric)

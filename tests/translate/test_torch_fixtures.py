@@ -102,6 +102,7 @@ def assert_arrays_close(actual: np.ndarray, expected: np.ndarray, what: str, sca
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
+@pytest.mark.slow
 def test_script_reproduces_committed_fixtures():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")

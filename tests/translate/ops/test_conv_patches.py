@@ -42,6 +42,7 @@ def _program(inputs, **attributes) -> str:
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_small_convolutions_match_onnxruntime_without_a_convolution_op(case):
     import onnxruntime
 
@@ -60,6 +61,7 @@ def test_small_convolutions_match_onnxruntime_without_a_convolution_op(case):
 
 @pytest.mark.parametrize("case", ["smaller-than-kernel", "grouped-dilated", "same-upper", "1-d", "3-d"])
 @pytest.mark.parametrize("wrt", [0, 1, 2], ids=["input", "weights", "bias"])
+@pytest.mark.slow
 def test_small_convolution_gradients_match_finite_differences(case, wrt):
     shape, kernel, attributes = CASES[case]
     if case == "smaller-than-kernel":

@@ -365,6 +365,7 @@ def gqa_inputs(length: int, past: int, seqlens: list[int], total: int, rotary: b
 @pytest.mark.parametrize("case", ["prompt", "prompt_rotary_padded", "prompt_packed_window",
                                   "decode", "decode_ragged_rotary", "decode_position_ids",
                                   "softcap", "attention_bias"])
+@pytest.mark.slow
 def test_group_query_attention_matches_onnxruntime(case):
     inputs, attrs = {
         "prompt": (gqa_inputs(6, 0, [5, 5], 6), {}),

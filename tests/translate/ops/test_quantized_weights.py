@@ -114,6 +114,7 @@ def test_matmul_nbits_with_g_idx_is_refused_by_name():
         fn(fn.params, {"x": np.ones((1, 3, 40), np.float32)})
 
 
+@pytest.mark.slow
 def test_matmul_nbits_gradient_in_a_is_the_dequantized_weight():
     """Differentiable in A (what adapters below it need): d sum(A @ W)/dA = 1 @ Wᵀ, with W
     as onnxruntime dequantizes it (read back by feeding the identity)."""

@@ -468,6 +468,7 @@ def test_trilu_with_k_initializer_on_a_batch_of_integers():
 
 @pytest.mark.parametrize("op_type, opset", [("CumSum", 14), ("CumProd", 26)])
 @pytest.mark.parametrize("exclusive, reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.slow
 def test_running_totals_gradients(op_type, opset, exclusive, reverse):
     x = RNG.uniform(0.5, 1.5, size=(3, 4))
     model = make_model(op_type, {"X": x}, {"A": np.array(-1, np.int32)}, ["X", "A"], opset=opset,
