@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from onnxtrain.errors import ModelLoadError
-from onnxtrain.translate.graph import GraphPlan, NodeGroup, node_reads, run_node, run_plan_segments
+from onnxtrain.translate.graph import GraphPlan, NodeGroup, node_reads, run_node, run_plan_segments, run_positions
 from onnxtrain.translate.layouts import row_major
 from onnxtrain.translate.node import Evaluation, Node, NodeSpec
 from onnxtrain.translate.registry import TRAINING_DOMAIN, op
@@ -176,8 +176,8 @@ def _forward_group(spec: NodeSpec, index: int) -> NodeGroup | None:
                 run_plan_segments(plan, block, inner, evaluation,
                                   lambda node, where, run: _run_differentiated(node, where, run, spec))
             else:
-                for number in block:
-                    _run_differentiated(plan.nodes[number], inner, evaluation, spec)
+                run_positions(plan, block, inner, evaluation,
+                              lambda node, where, run: _run_differentiated(node, where, run, spec))
             host_values.update((name, value) for name, value in local.items() if is_host(value))
             return _y_value(spec, inner), {name: value for name, value in local.items() if name not in host_values}
 

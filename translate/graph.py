@@ -31,6 +31,7 @@ from onnxtrain.translate.node import (
     node_label,
     sparse_to_dense,
 )
+from onnxtrain.translate import pointwise
 from onnxtrain.translate.recompute import recomputed, run_segments
 from onnxtrain.translate.tensors import MAX_RANK, tensor_to_numpy
 from onnxtrain.translate.registry import model_opsets, normalize_domain, resolve
@@ -68,6 +69,9 @@ class GraphPlan:
     # quantized weight), and the Transpose/Identity nodes after it, worked out at the first
     # walk of a model with quantized weights.
     dequantizers: dict[str, list[NodeSpec]] | None = None
+    # The pointwise regions by tail position (see translate.pointwise), worked out at the
+    # first traced walk.
+    regions: dict[int, pointwise.Region] | None = None
 
 
 def iter_initializers(graph: GraphProto, wanted: Callable[[str], bool] = lambda name: True,
@@ -429,10 +433,12 @@ def evaluate_plan(plan: GraphPlan, inputs: Sequence[Any], outer: Mapping[str, An
 
 
 def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any], outer: Mapping[str, Any],
-                   evaluation: Evaluation, segmented: bool = False) -> ChainMap:
+                   evaluation: Evaluation, segmented: bool = False, keep: Iterable[str] = ()) -> ChainMap:
     """Bind a plan's inputs (in order) and run the nodes at `indices` (in plan order); every
-    value then named. `outer` must hold whatever those nodes read that they do not produce.
-    A traced walk evaluates a NodeGroup whose members are all among `indices` as one.
+    value then named, except the intermediates of pointwise regions (see translate.pointwise)
+    that are not in `keep`. `outer` must hold whatever those nodes read that they do not
+    produce. A traced walk evaluates a NodeGroup whose members are all among `indices` as one,
+    and a pointwise region likewise.
     segmented: a traced walk of a plan without groups runs its nodes in recomputed
     segments (activation recomputation, see translate.recompute)."""
     local: dict[str, Any] = dict(plan.constants)
@@ -445,16 +451,63 @@ def evaluate_nodes(plan: GraphPlan, indices: Iterable[int], inputs: Sequence[Any
     if segmented and not evaluation.eager and not groups:
         run_plan_segments(plan, indices, scope, evaluation)
         return scope
-    wanted = set(indices) if groups else set()
+    wanted = set(indices)
+    grouped = {i for group in groups.values() if group.members <= wanted for i in group.members}
+    regions = _active_regions(plan, wanted, grouped, set(keep)) if not evaluation.eager else {}
+    deferred = {i for region in regions.values() for i in region.members}
     done: set[int] = set()
     for index in indices:
         group = groups.get(index)
         if group is not None and group.members <= wanted:
             group.run(scope, evaluation)
             done |= group.members
-        elif index not in done:
+        elif index in done:
+            continue
+        elif index in deferred:
+            if index in regions:
+                _run_region(plan, regions[index], scope, evaluation, run_node)
+        else:
             run_node(plan.nodes[index], scope, evaluation)
     return scope
+
+
+def run_positions(plan: GraphPlan, positions: Sequence[int], scope: ChainMap, evaluation: Evaluation,
+                  run: Callable[[NodeSpec, ChainMap, Evaluation], None] = run_node) -> None:
+    """Run the plan's nodes at `positions` (in order) with `run`, each pointwise region wholly
+    among them as one (see translate.pointwise); a Gradient's forward pass runs this way."""
+    regions = {} if evaluation.eager else _active_regions(plan, set(positions), set(), set())
+    deferred = {i for region in regions.values() for i in region.members}
+    for index in positions:
+        if index not in deferred:
+            run(plan.nodes[index], scope, evaluation)
+        elif index in regions:
+            _run_region(plan, regions[index], scope, evaluation, run)
+
+
+def _active_regions(plan: GraphPlan, wanted: set[int], grouped: set[int], keep: set[str]) -> dict[int, pointwise.Region]:
+    """The plan's pointwise regions a walk of the nodes at `wanted` runs as one: wholly among
+    them, in no node group it runs, and computing none of the names `keep` asks for."""
+    if not pointwise.ENABLED:
+        return {}
+    if plan.regions is None:
+        named = {name for spec in plan.nodes if spec.proto.op_type == "Gradient"
+                 for attribute in spec.proto.attribute for name in [attribute.s, *attribute.strings] if name}
+        plan.regions = pointwise.find_regions(plan.nodes, [*plan.outputs, *(n.decode() for n in named)], node_reads)
+    return {tail: region for tail, region in plan.regions.items()
+            if set(region.members) <= wanted and not set(region.members) & grouped
+            and not keep & {plan.nodes[i].proto.output[0] for i in region.members}}
+
+
+def _run_region(plan: GraphPlan, region: pointwise.Region, scope: ChainMap, evaluation: Evaluation,
+                run: Callable[[NodeSpec, ChainMap, Evaluation], None]) -> None:
+    """A pointwise region recomputed in the backward pass, or its nodes one by one where it
+    reads no traced float value."""
+    def member(index: int, inner: ChainMap) -> None:
+        run(plan.nodes[index], inner, evaluation)
+
+    if not pointwise.run_region(region, scope, member, is_host):
+        for index in region.members:
+            member(index, scope)
 
 
 def run_plan_segments(plan: GraphPlan, indices: Sequence[int], scope: ChainMap, evaluation: Evaluation,

@@ -189,8 +189,9 @@ class TranslatedModel:
         """apply's outputs, and the values of the `kept` names computed on the way (for a caller
         that recomputes the last nodes from them: see apply_nodes)."""
         evaluation = Evaluation(key, eager, recompute=self.recompute, quantized=bool(self.quantized))
+        kept = list(kept)
         scope = evaluate_nodes(self.plan, range(len(self.plan.nodes)), self._input_values(params, inputs),
-                               params, evaluation, segmented=self.recompute is not None)
+                               params, evaluation, segmented=self.recompute is not None, keep=kept)
         return dict(zip(self.output_names, plan_outputs(self.plan, scope))), {name: scope[name] for name in kept}
 
     def apply_nodes(self, indices: Iterable[int], params: Mapping[str, Any], inputs: Mapping[str, Any],
