@@ -7,8 +7,9 @@ its backward pass, each as large as its input, though one value (the chain's inp
 its derivative needs. A *pointwise region* is such a chain: element-wise nodes whose
 intermediates nothing outside reads. A traced walk runs it as `recomputed(region, x, ...)`
 (see translate.recompute) of the traced values it reads: the backward pass keeps those only
-(the chain's input, and any scalars passed as arguments) and recomputes the chain, which costs a few element-wise passes and saves the
-intermediates' memory. The forward values are those of the nodes run one by one.
+(the chain's input, and any scalars passed as arguments) and recomputes the chain, which
+costs a few element-wise passes and saves the intermediates' memory. The forward values are
+those of the nodes run one by one.
 
 Regions are found once per plan from its structure; whether one runs as a region is decided
 at each walk, where it is known which of its outside inputs are traced.
@@ -53,10 +54,6 @@ class Region:
     members: tuple[int, ...]
     reads: tuple[str, ...]
     output: str
-
-    @property
-    def tail(self) -> int:
-        return self.members[-1]
 
 
 def _pointwise(spec: Any) -> bool:
