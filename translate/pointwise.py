@@ -81,29 +81,45 @@ def find_regions(nodes: list[Any], outputs: list[str], reads: Callable[[Any], se
             readers.setdefault(name, set()).add(index)
     producer = {spec.proto.output[0]: index for index, spec in enumerate(nodes) if _pointwise(spec)}
     exported = set(outputs)
-    taken: set[int] = set()
+    # A set grown from any of a grown set's members lies inside it, so a rejected set rules
+    # out all its members as tails too: every node is grown into at most once.
+    visited: set[int] = set()
     regions: dict[int, Region] = {}
     for tail in range(len(nodes) - 1, -1, -1):
-        if tail in taken or not _pointwise(nodes[tail]):
+        if tail in visited or not _pointwise(nodes[tail]):
             continue
-        members = {tail}
-        grown = True
-        while grown:
-            grown = False
-            for index in list(members):
-                for name in nodes[index].proto.input:
-                    source = producer.get(name)
-                    if (source is not None and source not in members and source not in taken
-                            and name not in exported and readers.get(name, set()) <= members):
-                        members.add(source)
-                        grown = True
+        members = _grow(tail, nodes, producer, readers, exported, visited)
+        visited |= members
         if len(members) < MIN_NODES or not any(nodes[i].proto.op_type in _KEEPING for i in members):
             continue
         produced = {nodes[i].proto.output[0] for i in members}
         outside = sorted({name for i in members for name in nodes[i].proto.input} - produced)
         regions[tail] = Region(tuple(sorted(members)), tuple(outside), nodes[tail].proto.output[0])
-        taken |= members
     return regions
+
+
+def _grow(tail: int, nodes: list[Any], producer: dict[str, int], readers: dict[str, set[int]],
+          exported: set[str], visited: set[int]) -> set[int]:
+    """The largest set of element-wise nodes ending at `tail` whose intermediates only its
+    own members read: a producer joins once all readers of its output are members."""
+    members = {tail}
+    waiting = list(nodes[tail].proto.input)
+    grown = True
+    while grown:
+        # A name read by a node not yet a member may qualify once that node joins.
+        grown, deferred = False, []
+        for name in waiting:  # grows while it is walked: each new member's inputs join it
+            source = producer.get(name)
+            if source is None or source in members or source in visited or name in exported:
+                continue
+            if readers.get(name, set()) <= members:
+                members.add(source)
+                waiting.extend(nodes[source].proto.input)
+                grown = True
+            else:
+                deferred.append(name)
+        waiting = deferred
+    return members
 
 
 def run_region(region: Region, scope: ChainMap, run: Callable[[int, ChainMap], None],

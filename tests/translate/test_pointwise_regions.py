@@ -88,6 +88,24 @@ def test_no_region_without_an_op_whose_derivative_keeps_a_value():
     assert _regions(_model(chain)[0])[0] == []
 
 
+def test_a_value_read_twice_inside_joins_once_both_readers_have():
+    # Exp's result feeds Sin and Cos, both inside: it joins only after the second of them.
+    diamond = lambda x, y, p: [helper.make_node("Exp", [x], [p + "a"]), helper.make_node("Sin", [p + "a"], [p + "b"]),
+                               helper.make_node("Cos", [p + "a"], [p + "c"]), helper.make_node("Mul", [p + "b", p + "c"], [y])]
+    regions, _ = _regions(_model(diamond, layers=1)[0])
+    assert regions == [sorted(["l0/a", "l0/b", "l0/c", "g0"])]
+
+
+def test_a_long_chain_is_one_region():
+    # Found in one walk of the chain: a deep model is planned in time linear in its nodes.
+    def long(x, y, p, n=3000):
+        names = [x, *(f"{p}{i}" for i in range(1, n)), y]
+        return [helper.make_node("Mul" if i % 2 else "Add", [names[i], "half"], [names[i + 1]]) for i in range(n)]
+
+    regions, _ = _regions(_model(long, layers=1)[0])
+    assert [len(members) for members in regions] == [3000]
+
+
 def _value_and_gradients(model, output, x):
     translated = TranslatedModel(model, jit=False)
     params = {name: jnp.asarray(value) for name, value in translated.params.items()}
