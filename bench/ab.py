@@ -16,7 +16,12 @@ median ratios (this block / base block), with a distribution-free 95 % interval 
 runs (their range when there are fewer than 6); peak RSS is each side's highest worker
 high-water mark. Giving this checkout's own python as --base measures the noise floor.
 
-Usage: python bench/ab.py --base OTHER/.venv/bin/python [--pairs 48] [--block-s 0.25] [--row-s 120]
+Run this script with an interpreter whose environment holds the same packages as the base's:
+this side is the interpreter running ab.py. The test extras (torch and its CUDA wheels) make
+`import jax` itself load more modules and take more memory, which a comparison against a
+runtime-only base environment would charge to onnxtrain.
+
+Usage: THIS/.venv/bin/python bench/ab.py --base OTHER/.venv/bin/python [--pairs 48] [--block-s 0.25] [--row-s 120]
            [--processes 12] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
            [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
