@@ -70,9 +70,9 @@ def test_step_model_in_onnxruntime_reproduces_onnxtrain(name, optimizer, folder,
     print(f"{name}/{optimizer} stock onnxruntime vs onnxtrain: weights {measured}, "
           f"with the optimizer slots {errors(actual, expected, state)}")
     assert measured["loss"] <= 1e-5 and measured["norm"] <= 1e-5, measured
-    if optimizer == "momentum":
-        # Adam and Adagrad divide by sqrt(H) + epsilon, which turns float noise in a near-zero
-        # gradient element into a full step: their worst single element is reported, not bounded.
+    if optimizer != "adam":
+        # Adam's first step g / (|g| + epsilon) turns float noise in a near-zero gradient
+        # element into a full step: its worst single element is reported, not bounded.
         assert measured["max"] <= 1e-5, measured
     # The state moved: the run trained.
     assert errors(actual, reference_start(name, optimizer), state)["norm"] > 1e-4
@@ -80,15 +80,13 @@ def test_step_model_in_onnxruntime_reproduces_onnxtrain(name, optimizer, folder,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, optimizer", [("mlp", "adam"), ("bert", "adam")])
-def test_where_onnxruntime_and_onnxtrain_part_float32_is_itself_off_exact(name, optimizer, folder, tmp_path):
-    """The float64 run of the same step model is the exact trajectory. Every element where
-    onnxruntime's and onnxtrain's float32 runs differ by more than 1e-5 of the tensor's
-    largest magnitude is one where onnxtrain's own run is off exact by more than that too:
-    the export adds no error of its own. Such elements exist: a gradient element that is a
-    near-cancelling sum of much larger terms, which Adam's first step g / (|g| + epsilon)
-    turns into a different step for every rounding of the sum. Adagrad is left out: its
-    run is chaotic at such an element, so a different summation order alone (numpy's, in
-    onnx.reference) moves its final weights far beyond 1e-5."""
+def test_onnxruntime_stays_within_1e_5_of_the_exact_trajectory(name, optimizer, folder, tmp_path):
+    """The float64 run of the same step model is the exact trajectory, an oracle independent
+    of onnxtrain's own float32 rounding: onnxruntime's float32 run of the export stays within
+    1e-5 of it on every element (relative to each tensor's largest magnitude), so the export
+    adds no error beyond float32's. onnxtrain's own run is not bounded element by element:
+    a gradient element that is a near-cancelling sum of much larger terms becomes, through
+    Adam's first step g / (|g| + epsilon), a different step for every rounding of the sum."""
     from support.portable_training import Run, exact_run
 
     path = _exported(name, optimizer, folder)["step"]
@@ -97,15 +95,9 @@ def test_where_onnxruntime_and_onnxtrain_part_float32_is_itself_off_exact(name, 
     saved = np.load(tmp_path / "trained.npz")
     ours, exact = reference(name, optimizer), exact_run(path, name)
     names = [w for w in weights(name) if w in saved.files]
-    print(f"{name}/{optimizer}: onnxruntime vs float64 {errors(Run(saved['losses'], dict(saved)), exact, names)}, "
-          f"onnxtrain vs float64 {errors(ours, exact, names)}")
-    parted = 0
-    for key in names:
-        runtime, own, truth = (np.asarray(v[key], np.float64) for v in (saved, ours.state, exact.state))
-        apart = np.abs(runtime - own) > 1e-5 * np.abs(own).max()
-        parted += int(apart.sum())
-        assert np.all(np.abs(own - truth)[apart] > 1e-5 * np.abs(truth).max()), key
-    print(f"elements more than 1e-5 apart: {parted}")
+    runtime = errors(Run(saved["losses"], dict(saved)), exact, names)
+    print(f"{name}/{optimizer}: onnxruntime vs float64 {runtime}, onnxtrain vs float64 {errors(ours, exact, names)}")
+    assert runtime["loss"] <= 1e-5 and runtime["max"] <= 1e-5, runtime
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import onnxtrain
+from onnxtrain import optim
 from onnxtrain._recipe.builder import make_training_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,14 @@ def tiny_bert_model():
         return onnx.load(path)
 
 
+# Adagrad with its default epsilon (1e-6) is chaotic on the MLP: a hidden unit that is almost
+# never active gets near-zero gradients every step, which g / (sqrt(H) + epsilon) amplifies a
+# millionfold, so float32 runs that only round differently (another CPU, another summation
+# order) end up a full step apart. epsilon 1e-3 keeps the same formula well conditioned, so
+# the comparison measures the export, not the chaos (bench/RESULTS.md, "Portable training").
+OPTIMIZERS = {"adagrad": optim.Adagrad(epsilon=1e-3)}
+
+
 @functools.cache
 def training_bytes(name: str, optimizer: str) -> bytes:
     import warnings
@@ -121,7 +130,8 @@ def training_bytes(name: str, optimizer: str) -> bytes:
     forward = forward_model(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter merged equal BERT weights: not what is tested
-        training = make_training_model(forward.SerializeToString(), loss="cross_entropy", optimizer=optimizer)
+        training = make_training_model(forward.SerializeToString(), loss="cross_entropy",
+                                       optimizer=OPTIMIZERS.get(optimizer, optimizer))
     return training.SerializeToString()
 
 
