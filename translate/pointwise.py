@@ -79,14 +79,15 @@ def find_regions(nodes: list[Any], outputs: list[str], reads: Callable[[Any], se
     for index, spec in enumerate(nodes):
         for name in reads(spec):
             readers.setdefault(name, set()).add(index)
-    producer = {spec.proto.output[0]: index for index, spec in enumerate(nodes) if _pointwise(spec)}
+    candidates = [index for index, spec in enumerate(nodes) if _pointwise(spec)]
+    producer = {nodes[index].proto.output[0]: index for index in candidates}
     exported = set(outputs)
     # A set grown from any of a grown set's members lies inside it, so a rejected set rules
     # out all its members as tails too: every node is grown into at most once.
     visited: set[int] = set()
     regions: dict[int, Region] = {}
-    for tail in range(len(nodes) - 1, -1, -1):
-        if tail in visited or not _pointwise(nodes[tail]):
+    for tail in reversed(candidates):
+        if tail in visited:
             continue
         members = _grow(tail, nodes, producer, readers, exported, visited)
         visited |= members
