@@ -11,8 +11,9 @@ For a (family, exporter) pair of scripts/export_zoo.py:
   that copy it. An initializer that copies no parameter is an exporter constant (it must not
   be trained); a parameter with a gradient that no initializer copies was folded away.
   Where float32 itself cannot give 1e-5 (train-mode BatchNorm over a handful of values per
-  channel), both sides are measured against torch in float64: onnxtrain passes if it is
-  no further from it than twice torch's own float32 error;
+  channel, whose gradients cancel heavily), the exact check moves to float64: the model
+  converted to float64 must give torch's float64 gradients within FLOAT64_TOLERANCE, and its
+  float32 gradients stay within ROUNDING_CEILING of them;
 - trains: the loss falls over Adam steps on the fixed batch, and stays finite;
 - export: Trainer.export(training=False) of the trained model, run by onnxruntime, against
   the Trainer's own infer.
@@ -42,9 +43,22 @@ REPO = Path(__file__).resolve().parents[2]
 INFERENCE_TOLERANCE = 1.5e-5
 GRADIENT_TOLERANCE = 1e-5
 ZERO_GRADIENT = 1e-6  # below this fraction of the model's largest gradient, one is rounding noise
+# Past GRADIENT_TOLERANCE, float32 rounding explains a parameter's error only if the float64
+# model is exact to FLOAT64_TOLERANCE and the float32 error stays under ROUNDING_CEILING: how
+# far float32 lands from float64 there depends on the summation order of every kernel (torch's
+# own float32 gradients move several-fold between its default, channels_last and one-thread
+# runs), so no ratio to one torch run is a stable bound.
+FLOAT64_TOLERANCE = 1e-8
+ROUNDING_CEILING = 1e-4
 EXPORT_TOLERANCE = 1e-4
 STEPS = 10
 LEARNING_RATE = 1e-2
+# With BatchNorm folded away, the ResNet trains without batch statistics, as torch trains the
+# same function (BatchNorm in eval mode): at LEARNING_RATE the loss of both grows by orders
+# of magnitude at the first step and wanders after it, ending where rounding takes it; at
+# this rate both fall.
+FOLDED_LEARNING_RATE = 1e-3
+FOLDED_RESNETS = {("tv_resnet", "dynamo"), ("tv_resnet", "torchscript")}
 CHECKS = ("inference", "gradients", "trains", "export")
 
 
@@ -134,16 +148,19 @@ class Zoo:
         return worst
 
     @functools.cache
-    def training(self, name: str, exporter: str) -> Training:
+    def training(self, name: str, exporter: str, float64: bool = False) -> Training:
         """A Trainer on make_training_model(model, loss) with the default trainable set, whose
-        steps also return every trainable's gradient; its first step has been taken."""
+        steps also return every trainable's gradient; its first step has been taken. With
+        `float64`, the model, batch and training run in float64 (see as_float64)."""
         import onnxtrain
         from onnxtrain import optim
         from onnxtrain.proto import ValueInfoProto
 
         family = export_zoo.FAMILIES[name]
-        training = onnxtrain.make_training_model(self.model(name, exporter), loss=family.loss,
-                                                 output=family.output, optimizer=optim.Adam(lr=LEARNING_RATE))
+        model = self.model(name, exporter)
+        rate = FOLDED_LEARNING_RATE if (name, exporter) in FOLDED_RESNETS else LEARNING_RATE
+        training = onnxtrain.make_training_model(as_float64(model) if float64 else model, loss=family.loss,
+                                                 output=family.output, optimizer=optim.Adam(lr=rate))
         algorithm = training.training_info[0].algorithm
         (gradient,) = [n for n in algorithm.node if n.op_type == "Gradient"]
         algorithm.output.extend(ValueInfoProto(name=g) for g in gradient.output)
@@ -151,6 +168,9 @@ class Zoo:
         # NaN steps are applied, not refused: the checks then see every gradient and the losses.
         trainer = onnxtrain.Trainer(training, nan_policy="ignore")
         feeds = {**self.feeds(name, exporter), "labels": self.labels(name)}
+        if float64:
+            feeds = {key: value.astype(np.float64) if value.dtype == np.float32 else value
+                     for key, value in feeds.items()}
         out = trainer.step(feeds)
         gradients = {x.decode(): np.asarray(out[g]) for x, g in zip(xs, gradient.output)}
         return Training(trainer, feeds, gradients, [float(out["loss"])])
@@ -159,8 +179,8 @@ class Zoo:
         """(worst gradient error, problems, notes): see the module docstring. The error of a
         parameter is max|onnxtrain - torch| over its elements relative to its largest torch
         gradient. A parameter past GRADIENT_TOLERANCE is a problem unless float32 rounding
-        explains it (then it is a note): onnxtrain's error against float64 torch is at most
-        twice that of torch's own float32 gradient."""
+        explains it (then it is a note): in float64, onnxtrain gives torch's float64 gradient
+        within FLOAT64_TOLERANCE, and its float32 one is within ROUNDING_CEILING of that."""
         family = export_zoo.FAMILIES[name]
         onnx_gradients = self.training(name, exporter).gradients
         initial = _initializers(self.model(name, exporter))
@@ -188,14 +208,17 @@ class Zoo:
         beyond = {param: error for param, error in errors.items() if error > GRADIENT_TOLERANCE}
         if beyond:
             _, exact = torch_oracle(family, self.feeds(name, exporter), self.labels(name), sklearn, np.float64)
+            wide = trace(initial, self.training(name, exporter, float64=True).gradients, params).summed
             for param, error in sorted(beyond.items(), key=lambda item: -item[1]):
                 scale = float(np.max(np.abs(exact[param])))
                 scale = largest if scale < ZERO_GRADIENT * largest else scale
                 ours = _relative(traced.summed[param], exact[param], scale)
                 theirs = _relative(torch_gradients[param], exact[param], scale)
+                ours64 = _relative(wide[param], exact[param], scale)
                 figures = (f"{param}: {error:.1e} from torch float32; against float64 torch, onnxtrain "
-                           f"{ours:.1e} and torch float32 {theirs:.1e}")
-                (notes if ours <= max(GRADIENT_TOLERANCE, 2 * theirs) else problems).append(figures)
+                           f"{ours:.1e} and torch float32 {theirs:.1e}; onnxtrain in float64 {ours64:.1e}")
+                rounding = ours64 <= FLOAT64_TOLERANCE and ours <= ROUNDING_CEILING
+                (notes if rounding else problems).append(figures)
         return max(errors.values(), default=0.0), problems, notes
 
     def losses(self, name: str, exporter: str) -> list[float]:
@@ -219,6 +242,37 @@ class Zoo:
         (served,) = session.run([output], feeds)
         expected = np.asarray(run.trainer.infer(feeds)[output])
         return float(np.max(np.abs(served - expected) / (1 + np.abs(expected))))
+
+
+def as_float64(model: bytes) -> bytes:
+    """The model with every float32 tensor, type and cast target made float64: initializers,
+    Constant and ConstantOfShape values, graph inputs, outputs and value_info, Cast's `to` and
+    the `dtype` of generators, in subgraphs too."""
+    import onnx
+    from onnx import AttributeProto, TensorProto, numpy_helper
+
+    def widen(tensor: TensorProto) -> None:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name))
+
+    def graph(g) -> None:
+        for tensor in g.initializer:
+            widen(tensor)
+        for value in (*g.input, *g.output, *g.value_info):
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                value.type.tensor_type.elem_type = TensorProto.DOUBLE
+        for node in g.node:
+            for attribute in node.attribute:
+                if attribute.type == AttributeProto.TENSOR:
+                    widen(attribute.t)
+                elif attribute.name in ("to", "dtype") and attribute.i == TensorProto.FLOAT:
+                    attribute.i = TensorProto.DOUBLE
+                for sub in (*([attribute.g] if attribute.type == AttributeProto.GRAPH else []), *attribute.graphs):
+                    graph(sub)
+
+    proto = onnx.load_from_string(model)
+    graph(proto.graph)
+    return proto.SerializeToString()
 
 
 def _initializers(model: bytes) -> dict[str, np.ndarray]:
