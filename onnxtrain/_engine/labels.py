@@ -26,6 +26,7 @@ from onnxtrain.proto import GraphProto, NodeProto, TypeProto
 from onnxtrain.translate.registry import normalize_domain
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+_LISTED = 1024  # labels up to this many are checked as a Python list (see LabelRule.check)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,13 @@ class LabelRule:
         """Raise InputError if a label of `value` is neither a class nor the ignore_index."""
         if not isinstance(value, np.ndarray) or value.size == 0 or value.dtype.kind not in "iu":
             return
-        if self.classes is None:
+        if value.size <= _LISTED:
+            # This runs every step, right after the device's work has filled the caches: on a
+            # batch's worth of labels, Python's min and max cost less than numpy's reductions.
+            listed = value.ravel().tolist()
+            if min(listed) >= 0 and (self.classes is None or max(listed) < self.classes):
+                return
+        elif self.classes is None:
             if value.min() >= 0:
                 return
         elif value.view(f"u{value.itemsize}").max() < self.classes:

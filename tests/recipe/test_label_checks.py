@@ -73,6 +73,20 @@ def test_a_negative_label_is_refused_and_the_message_points_to_ignore_index():
         assert "'labels'" in str(error.value), kind
 
 
+@pytest.mark.parametrize("batch", [1024, 1025, 5000], ids=["listed", "just past listed", "large"])
+@pytest.mark.parametrize("bad", [3, -1, np.iinfo(np.int64).min], ids=["class count", "negative", "most negative"])
+def test_a_bad_label_is_found_in_a_batch_of_any_size(batch, bad):
+    """Short label arrays are checked as Python lists, long ones by numpy (labels.py): both
+    find the one bad label, at either end of the range, wherever it sits."""
+    trainer = _trainers()["make_training_model"]
+    x = RNG.normal(size=(batch, 4)).astype(np.float32)
+    labels = np.arange(batch, dtype=np.int64) % 3
+    trainer.step({"x": x, "labels": labels})
+    labels[batch - 2] = bad
+    with pytest.raises(InputError, match=f"label {bad} at index {batch - 2} "):
+        trainer.step({"x": x, "labels": labels})
+
+
 def test_labels_are_checked_whatever_form_they_come_in():
     torch = pytest.importorskip("torch")
     trainer = _trainers()["make_training_model"]
