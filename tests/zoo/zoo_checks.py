@@ -148,7 +148,11 @@ class Zoo:
         return worst
 
     @functools.cache
-    def training(self, name: str, exporter: str, float64: bool = False) -> Training:
+    def training(self, name: str, exporter: str) -> Training:
+        """first_step's float32 run, kept: the losses and export checks go on training it."""
+        return self.first_step(name, exporter)
+
+    def first_step(self, name: str, exporter: str, float64: bool = False) -> Training:
         """A Trainer on make_training_model(model, loss) with the default trainable set, whose
         steps also return every trainable's gradient; its first step has been taken. With
         `float64`, the model, batch and training run in float64 (see as_float64)."""
@@ -208,7 +212,7 @@ class Zoo:
         beyond = {param: error for param, error in errors.items() if error > GRADIENT_TOLERANCE}
         if beyond:
             _, exact = torch_oracle(family, self.feeds(name, exporter), self.labels(name), sklearn, np.float64)
-            wide = trace(initial, self.training(name, exporter, float64=True).gradients, params).summed
+            wide = trace(initial, self.first_step(name, exporter, float64=True).gradients, params).summed
             for param, error in sorted(beyond.items(), key=lambda item: -item[1]):
                 scale = float(np.max(np.abs(exact[param])))
                 scale = largest if scale < ZERO_GRADIENT * largest else scale
