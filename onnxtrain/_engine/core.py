@@ -148,14 +148,16 @@ class Core:
                                                     self._store.transaction(), self._limit)
         return self._measuring[algorithm]
 
-    def _placed(self, runner: StepRunner, feeds: Mapping[str, Any]) -> dict[str, Any]:
-        return self._placement.place_batch(runner.step.check_feeds(feeds), runner.step.where)
+    def _placed(self, runner: StepRunner, feeds: Mapping[str, Any], copy: bool = True) -> dict[str, Any]:
+        return self._placement.place_batch(runner.step.check_feeds(feeds, copy=copy), runner.step.where)
 
     def step(self, feeds: Mapping[str, Any], algorithm: int = 0) -> dict[str, Any]:
         """One training step; returns the outputs no binding consumes (e.g. the loss)."""
         runner = self._runner(algorithm)
         with self._store.transaction():
-            return runner.run(self._store, self._placed(runner, feeds))
+            # A step that has read its feeds when it returns can take the caller's arrays as they are.
+            placed = self._placed(runner, feeds, copy=not runner.done_with_feeds(self._store))
+            return runner.run(self._store, placed)
 
     def step_inputs(self, algorithm: int = 0) -> list[str]:
         """The feed names step(feeds, algorithm) takes."""

@@ -17,8 +17,9 @@ import numpy as np
 from onnxtrain._engine.batches import unstack
 from onnxtrain._engine.compiled import Compiled, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Stacked, Unsettled, any_fault
-from onnxtrain._engine.placement import Placement
-from onnxtrain._engine.strategies import CheckThenUpdate, Plan, StepFunction, choose
+from onnxtrain._engine.feeds import owned
+from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
+from onnxtrain._engine.strategies import CheckThenUpdate, DoubleBuffered, Plan, StepFunction, choose
 from onnxtrain.errors import InputError, OnnxTrainError, without_jax_notes
 from onnxtrain.state.store import StateStore
 from onnxtrain.translate.model import EagerSignatures
@@ -56,11 +57,20 @@ class StepRunner:
         self._plan = choose(self.step, self.ledger, self._placement, bound_bytes, self._limit)
         return self._plan
 
+    def done_with_feeds(self, store: StateStore) -> bool:
+        """Whether run(), without settle_later, has read every feed when it returns, so that its
+        feeds may be arrays the caller refills afterwards. True for a checked double-buffered
+        step on one device: it waits for its fault flag, which the device sets only when the
+        whole program has run (on a mesh, one device's flag says nothing of the others)."""
+        return (self.ledger.checked and self._placement is DEFAULT_DEVICE
+                and isinstance(self.plan(store).single, DoubleBuffered))
+
     def run(self, store: StateStore, feeds: dict[str, Any], step: str = "step",
             settle_later: bool = False) -> dict[str, Any]:
         """One committed step; returns its unbound outputs. settle_later: a checked step that may
         run ahead returns at once, its outputs Unsettled (the caller settles them later); else
-        the faults of earlier calls are acted on first. `step` names the step in reports."""
+        the faults of earlier calls are acted on first. `step` names the step in reports.
+        `feeds` must be the runner's own (see feeds.owned) unless done_with_feeds."""
         plan = self.plan(store)
         if (settle_later and self.ledger.checked and plan.linked is not None
                 and feeds not in self._eager_signatures):
@@ -71,7 +81,7 @@ class StepRunner:
                 return self.ledger.defer(Unsettled(outputs), faults)
         self.ledger.settle()
         outputs, faults, key = self._compiled_or_eager(
-            feeds, lambda: plan.single.run(store, feeds), lambda: self._eager(store, feeds))
+            feeds, lambda: plan.single.run(store, feeds), lambda: self._eager(store, owned(feeds)))
         if faults is not None:
             if self.ledger.policy == "skip":
                 store.commit({}, key)

@@ -150,11 +150,13 @@ def _wide_linear_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
-def test_steps_in_flight_do_not_read_batch_buffers_the_caller_refills(nan_policy):
+@pytest.mark.parametrize("nan_policy, call", [("raise", "fit"), ("ignore", "step"), ("raise", "step"),
+                                              ("skip", "step")])
+def test_steps_in_flight_do_not_read_batch_buffers_the_caller_refills(nan_policy, call):
     """fit (one step per call, its checks read a step late) and step under "ignore" return
-    before the device has run the step; a data loader then refills its buffer with the next
-    batch. The buffer is 64-byte aligned, which JAX on CPU would read in place."""
+    before the device has run the step, and a checked step() reads the caller's arrays
+    without copying them; a data loader then refills its buffer with the next batch. The
+    buffer is 64-byte aligned, which JAX on CPU would read in place."""
     import onnxtrain
 
     rng = np.random.default_rng(1)
@@ -170,7 +172,7 @@ def test_steps_in_flight_do_not_read_batch_buffers_the_caller_refills(nan_policy
                 buffers[name][...] = value
             yield buffers
 
-    if nan_policy == "ignore":
+    if call == "step":
         for feeds in loader():
             refilled.step(feeds)
     else:
