@@ -16,12 +16,18 @@ median ratios (this block / base block), with a distribution-free 95 % interval 
 runs (their range when there are fewer than 6); peak RSS is each side's highest worker
 high-water mark. Giving this checkout's own python as --base measures the noise floor.
 
+--same-process CHECKOUT puts both sides in one process instead (bench/systems/same_process.py):
+the base checkout's packages are copied under another top-level name, their imports
+rewritten, and each of the --processes runs times both Trainers in turn. A process's own
+speed then cancels out of its ratios; peak RSS is not measured per side.
+
 Run this script with an interpreter whose environment holds the same packages as the base's:
 this side is the interpreter running ab.py. The test extras (torch and its CUDA wheels) make
 `import jax` itself load more modules and take more memory, which a comparison against a
 runtime-only base environment would charge to onnxtrain.
 
-Usage: THIS/.venv/bin/python bench/ab.py --base OTHER/.venv/bin/python [--pairs 48] [--block-s 0.25] [--row-s 120]
+Usage: THIS/.venv/bin/python bench/ab.py (--base OTHER/.venv/bin/python | --same-process OTHER)
+           [--pairs 48] [--block-s 0.25] [--row-s 120]
            [--processes 12] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
            [--quick]
 Prints a table (no file is written: copy what matters to RESULTS.md).
@@ -33,11 +39,15 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +122,42 @@ def prepare(name: str, folder: Path) -> None:
     onnx.save(models.training_onnx(build(weights_of())), folder / f"{name}.training.onnx")
 
 
+# The top-level name the base checkout's packages take under --same-process.
+BASE_PACKAGE = "ab_base_onnxtrain"
+_IMPORT = re.compile(r"^(\s*(?:from|import)\s+)onnxtrain\b", re.MULTILINE)
+
+
+def renamed_copy(checkout: Path, folder: Path) -> Path:
+    """The packages of `checkout`, laid out as its pyproject.toml's package-dir says, copied
+    into `folder` as the one package BASE_PACKAGE, with their `from onnxtrain...` and `import
+    onnxtrain...` statements rewritten to it, so one process can import both checkouts.
+    Returns `folder`, for sys.path."""
+    with open(checkout / "pyproject.toml", "rb") as file:
+        package_dir = tomllib.load(file)["tool"]["setuptools"]["package-dir"]
+    for package, source in sorted(package_dir.items()):
+        shutil.copytree(checkout / source, folder / BASE_PACKAGE / Path(*package.split(".")[1:]),
+                        dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (folder / BASE_PACKAGE).rglob("*.py"):
+        path.write_text(_IMPORT.sub(rf"\g<1>{BASE_PACKAGE}", path.read_text()))
+    return folder
+
+
+def _same_process(base_path: Path, task: dict, pairs: int, block_s: float, row_s: float) -> dict:
+    """One same_process.py run: both sides in one process, `pairs` pairs of blocks."""
+    job = {**task, "base_path": str(base_path), "base_package": BASE_PACKAGE, "pairs": pairs,
+           "block_s": block_s, "row_s": row_s, "min_pairs": MIN_PAIRS, "warmup_s": WARMUP_S}
+    done = subprocess.run([sys.executable, str(BENCH / "systems" / "same_process.py"), json.dumps(job)],
+                          capture_output=True, text=True, env={**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"})
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        error = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise SystemExit(f"same-process worker failed: {error}")
+    found = json.loads(lines[-1])
+    ratios = [this / base for this, base in zip(found["times"]["this"], found["times"]["base"])]
+    return {"steps": found["steps"], "ratios": ratios, "times": found["times"], "recompiled": found["recompiled"],
+            "rss": {side: found["peak_rss_mb"] for side in ("this", "base")}}
+
+
 def median_interval(values: list[float]) -> tuple[float, float]:
     """A distribution-free 95 % interval for the median: the order statistics the binomial
     (n, 1/2) puts at least 95 % between (normal approximation to the binomial)."""
@@ -152,13 +198,25 @@ def _lockstep(sides: dict[str, Path], task: dict, pairs: int, block_s: float, ro
             "rss": {side: finals[side]["peak_rss_mb"] for side in sides}}
 
 
-def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_s: float,
+@dataclass(frozen=True)
+class SameProcess:
+    """The base side of --same-process: the folder holding the renamed copy of its packages."""
+
+    path: Path
+
+
+def compare(sides: dict[str, Path | SameProcess], task: dict, pairs: int, block_s: float, row_s: float,
             processes: int) -> dict:
     """`processes` lockstep runs, each with fresh workers (see the module docstring)."""
     runs, steps = [], None
     for _ in range(processes):
-        runs.append(_lockstep(sides, task, math.ceil(pairs / processes), block_s, row_s / processes, steps))
-        steps = runs[0]["steps"]
+        if isinstance(sides["base"], SameProcess):
+            runs.append(_same_process(sides["base"].path, task, math.ceil(pairs / processes), block_s,
+                                      row_s / processes))
+            steps = runs[0]["steps"]
+        else:
+            runs.append(_lockstep(sides, task, math.ceil(pairs / processes), block_s, row_s / processes, steps))
+            steps = runs[0]["steps"]
     medians = [statistics.median(found["ratios"]) for found in runs]
     times = {side: [t for found in runs for t in found["times"][side]] for side in sides}
     return {"steps": steps, "pairs": sum(len(found["ratios"]) for found in runs),
@@ -170,9 +228,19 @@ def compare(sides: dict[str, Path], task: dict, pairs: int, block_s: float, row_
             "recompiled": {side: sum(found["recompiled"][side] for found in runs) for side in sides}}
 
 
+def rss(found: dict) -> str:
+    """The peak RSS column: base / this, or the shared process's peak under --same-process."""
+    if found["rss"]["base"] == found["rss"]["this"]:
+        return f"{found['rss']['this']:.0f} (one process)"
+    return f"{found['rss']['base']:.0f} / {found['rss']['this']:.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, type=Path, help="the python whose onnxtrain is the baseline")
+    base = parser.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", type=Path, help="the python whose onnxtrain is the baseline")
+    base.add_argument("--same-process", type=Path, metavar="CHECKOUT",
+                      help="the baseline's checkout, run in the same process as this side")
     parser.add_argument("--pairs", type=int, default=48)
     parser.add_argument("--block-s", type=float, default=0.25, help="seconds per block, about")
     parser.add_argument("--row-s", type=float, default=120.0,
@@ -194,6 +262,8 @@ def main() -> None:
     lines = ["| model | mode | steps/block | pairs | base ms/step | this ms/step | this / base (95 % interval over processes) "
              "| per process pair | peak RSS MB base / this |", "|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as folder:
+        if arguments.same_process is not None:
+            sides["base"] = SameProcess(renamed_copy(arguments.same_process.resolve(), Path(folder) / "base"))
         for name in names:
             prepare(name, Path(folder))
             for mode in modes:
@@ -208,11 +278,13 @@ def main() -> None:
                         f"| {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
                         f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
                         f"| {' '.join(f'{r:.2f}' for r in found['per_process'])} "
-                        f"| {found['rss']['base']:.0f} / {found['rss']['this']:.0f} |")
+                        f"| {rss(found)} |")
                 print(line, flush=True)
                 lines.append(line)
+    base_side = (f"{arguments.same_process} in the same process" if arguments.same_process is not None
+                 else sides["base"])
     print(f"\nat most {pairs} pairs per row (at most {arguments.row_s:.0f} s after warm-up), blocks of about "
-          f"{block_s} s; this = {sides['this']}, base = {sides['base']}\n")
+          f"{block_s} s; this = {sides['this']}, base = {base_side}\n")
     print("\n".join(lines))
 
 

@@ -163,3 +163,16 @@ def test_training_step_benchmark_checks_and_times_a_dense_and_an_image_model():
         assert len(timed) == 1, done.stdout
     assert "weights, V, H and T equal" in done.stdout and "weights within 6 lr" in done.stdout
     assert not any(line.startswith(("CNN", "MobileNet")) for line in lines)
+
+
+@pytest.mark.slow
+def test_same_process_ab_times_this_checkout_against_a_renamed_copy_of_a_checkout():
+    """bench/ab.py --same-process, with this checkout as its own base: the copy imports under
+    another name beside onnxtrain, and both sides' step and fit rows come out."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ab.py"), "--same-process", str(ROOT), "--quick", "--modes", "step,fit"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| mlp |")]
+    assert sorted({row[2].strip() for row in rows}) == ["fit", "step"], done.stdout
+    assert all("(one process)" in row[-2] for row in rows), done.stdout

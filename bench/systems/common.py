@@ -82,6 +82,12 @@ def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch]
             "note": f"K={steps_per_call}, {size} steps per call"}
 
 
+def last_step_loss(history: dict) -> float:
+    """The last step's loss in a fit history: "step_loss" since per-epoch histories, "loss"
+    in older onnxtrain (an A/B base may be one)."""
+    return float(history.get("step_loss", history.get("loss"))[-1])
+
+
 def versions(*packages: str) -> dict[str, str]:
     found = {}
     for package in packages:
