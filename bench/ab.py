@@ -146,13 +146,9 @@ def _same_process(base_path: Path, task: dict, pairs: int, block_s: float, row_s
     """One same_process.py run: both sides in one process, `pairs` pairs of blocks."""
     job = {**task, "base_path": str(base_path), "base_package": BASE_PACKAGE, "pairs": pairs,
            "block_s": block_s, "row_s": row_s, "min_pairs": MIN_PAIRS, "warmup_s": WARMUP_S}
-    done = subprocess.run([sys.executable, str(BENCH / "systems" / "same_process.py"), json.dumps(job)],
-                          capture_output=True, text=True, env={**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"})
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        error = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise SystemExit(f"same-process worker failed: {error}")
-    found = json.loads(lines[-1])
+    found = run.run_script(Path(sys.executable), "same_process.py", job, {"ONNXTRAIN_COMPILATION_CACHE": "off"})
+    if "unavailable" in found:
+        raise SystemExit(f"same-process {found['unavailable']}")
     ratios = [this / base for this, base in zip(found["times"]["this"], found["times"]["base"])]
     return {"steps": found["steps"], "ratios": ratios, "times": found["times"], "recompiled": found["recompiled"],
             "rss": {side: found["peak_rss_mb"] for side in ("this", "base")}}
@@ -213,10 +209,9 @@ def compare(sides: dict[str, Path | SameProcess], task: dict, pairs: int, block_
         if isinstance(sides["base"], SameProcess):
             runs.append(_same_process(sides["base"].path, task, math.ceil(pairs / processes), block_s,
                                       row_s / processes))
-            steps = runs[0]["steps"]
         else:
             runs.append(_lockstep(sides, task, math.ceil(pairs / processes), block_s, row_s / processes, steps))
-            steps = runs[0]["steps"]
+        steps = runs[0]["steps"]
     medians = [statistics.median(found["ratios"]) for found in runs]
     times = {side: [t for found in runs for t in found["times"][side]] for side in sides}
     return {"steps": steps, "pairs": sum(len(found["ratios"]) for found in runs),
@@ -228,9 +223,9 @@ def compare(sides: dict[str, Path | SameProcess], task: dict, pairs: int, block_
             "recompiled": {side: sum(found["recompiled"][side] for found in runs) for side in sides}}
 
 
-def rss(found: dict) -> str:
+def rss(found: dict, one_process: bool) -> str:
     """The peak RSS column: base / this, or the shared process's peak under --same-process."""
-    if found["rss"]["base"] == found["rss"]["this"]:
+    if one_process:
         return f"{found['rss']['this']:.0f} (one process)"
     return f"{found['rss']['base']:.0f} / {found['rss']['this']:.0f}"
 
@@ -278,7 +273,7 @@ def main() -> None:
                         f"| {found['ms']['base']:.3f} | {found['ms']['this']:.3f} "
                         f"| {found['ratio']:.3f} ({low:.3f}-{high:.3f}) "
                         f"| {' '.join(f'{r:.2f}' for r in found['per_process'])} "
-                        f"| {rss(found)} |")
+                        f"| {rss(found, arguments.same_process is not None)} |")
                 print(line, flush=True)
                 lines.append(line)
     base_side = (f"{arguments.same_process} in the same process" if arguments.same_process is not None

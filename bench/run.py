@@ -111,7 +111,12 @@ def ort_python(build: bool) -> tuple[Path | None, str]:
 def run_worker(python: Path, system: str, task: dict, env: dict | None = None) -> dict:
     """One fresh process of `system`; its JSON line, or {"unavailable": why}."""
     script, settings = SYSTEMS[system]
-    command = [str(python), str(BENCH / "systems" / script), json.dumps({**task, **settings})]
+    return run_script(python, script, {**task, **settings}, env)
+
+
+def run_script(python: Path, script: str, job: dict, env: dict | None = None) -> dict:
+    """One fresh process of bench/systems/`script` given `job`; its JSON line, or {"unavailable": why}."""
+    command = [str(python), str(BENCH / "systems" / script), json.dumps(job)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT,
                               env={**os.environ, **(env or {})})

@@ -12,7 +12,7 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -82,10 +82,18 @@ def time_calls(run_call: Callable[[list[Batch]], list[float]], data: list[Batch]
             "note": f"K={steps_per_call}, {size} steps per call"}
 
 
-def last_step_loss(history: dict) -> float:
-    """The last step's loss in a fit history: "step_loss" since per-epoch histories, "loss"
-    in older onnxtrain (an A/B base may be one)."""
-    return float(history.get("step_loss", history.get("loss"))[-1])
+def train(trainer: Any, stream: Iterator[Batch], count: int, fit: bool) -> None:
+    """`count` training steps of an onnxtrain Trainer on batches from `stream`, each read back
+    to the host: Trainer.step per batch, or one Trainer.fit over them (STEPS_PER_CALL per
+    compiled call). The last loss is read from the history as "step_loss" (per-epoch
+    histories) or "loss" (older onnxtrain, which an A/B base may be)."""
+    if fit:
+        chunk = [next(stream) for _ in range(count)]
+        history = trainer.fit(chunk, progress=False, steps_per_call=STEPS_PER_CALL)
+        float(history.get("step_loss", history.get("loss"))[-1])
+    else:
+        for _ in range(count):
+            float(trainer.step(next(stream))["loss"])
 
 
 def versions(*packages: str) -> dict[str, str]:

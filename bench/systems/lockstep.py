@@ -24,12 +24,7 @@ stream = itertools.cycle(common.batches(task))
 
 
 def run(count: int) -> None:
-    if task.get("fit"):
-        chunk = [next(stream) for _ in range(count)]
-        common.last_step_loss(trainer.fit(chunk, progress=False, steps_per_call=common.STEPS_PER_CALL))
-    else:
-        for _ in range(count):
-            float(trainer.step(next(stream))["loss"])
+    common.train(trainer, stream, count, bool(task.get("fit")))
 
 
 run(task["warmup"])

@@ -28,14 +28,8 @@ unit = common.STEPS_PER_CALL if task.get("fit") else 1
 
 def run(side: str, count: int) -> float:
     """Seconds for `count` steps on `side` (as lockstep.py runs them)."""
-    trainer, stream = trainers[side], streams[side]
     start = time.perf_counter()
-    if task.get("fit"):
-        chunk = [next(stream) for _ in range(count)]
-        common.last_step_loss(trainer.fit(chunk, progress=False, steps_per_call=common.STEPS_PER_CALL))
-    else:
-        for _ in range(count):
-            float(trainer.step(next(stream))["loss"])
+    common.train(trainers[side], streams[side], count, bool(task.get("fit")))
     return time.perf_counter() - start
 
 
