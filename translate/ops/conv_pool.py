@@ -163,8 +163,10 @@ def library_conv(x: Any, w: Any, window: Window, group: int) -> Any:
 
 # At most this many (input channel per group, kernel position) pairs go to conv_by_taps: up
 # to here a sum of tap products beats XLA:CPU's convolution (a first layer on one or two
-# channels), while with more pairs (a 7x7 RGB stem, say) the convolution wins (see
-# bench/RESULTS.md, "Design measurements").
+# channels), while with more pairs (a 7x7 RGB stem, say) the convolution wins. A 1x1 kernel
+# never does: there each tap is a whole input channel broadcast to every output channel, and
+# the library convolution (a product over channels) wins, with its gradients (see
+# bench/RESULTS.md, "Design measurements" and "Exported CNNs: slow paths").
 TAPS_LIMIT = 18
 
 
@@ -175,7 +177,8 @@ def summable_by_taps(x: Any, w: Any) -> bool:
 
 
 def uses_taps(x: Any, w: Any, window: Window) -> bool:
-    return summable_by_taps(x, w) and w.shape[1] * math.prod(window.kernel) <= TAPS_LIMIT
+    positions = math.prod(window.kernel)
+    return summable_by_taps(x, w) and positions > 1 and w.shape[1] * positions <= TAPS_LIMIT
 
 
 def is_depthwise(x: Any, w: Any, group: int) -> bool:
