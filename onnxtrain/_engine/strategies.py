@@ -163,12 +163,16 @@ class CheckThenUpdate(_Strategy):
         super().__init__(step, placement, ledger, limit)
         self._check = self._jit(self._check_call, 4, donate_argnums=1, keep_unused=True)
         self._update = self._jit(self._update_call, 3, donate_argnums=0)
+        # A new feed signature traces the step twice: for the shapes of its scratch, then to
+        # compile. Through this inlined jit the second trace reuses the first one's jaxpr (the
+        # program is the same as calling the step directly); run() clears it after each pair.
+        self._traced = jax.jit(step, static_argnums=4)
         # The last call's tail inputs, written over by the next call (fresh buffers would
         # fault in new pages over the gradients' size every step).
         self._scratch: dict[str, jax.Array] | None = None
 
     def _check_call(self, state: dict, spare: dict, key: Any, constants: dict, feeds: dict) -> tuple:
-        key, updates, outputs, kept = self.step(state, key, constants, feeds, tuple(self.step.tail_inputs))
+        key, updates, outputs, kept = self._traced(state, key, constants, feeds, tuple(self.step.tail_inputs))
         return kept, key, outputs, self._watch(updates, outputs)
 
     def _update_call(self, bound: dict, unbound: dict, constants: dict, feeds: dict, kept: dict) -> dict:
@@ -181,7 +185,10 @@ class CheckThenUpdate(_Strategy):
         if scratch is None:
             shapes = jax.eval_shape(self._check_call, old, {}, key, constants, feeds)[0]
             scratch = {name: device_zeros(shape.shape, shape.dtype) for name, shape in shapes.items()}
-        kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
+            kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
+            self._traced.clear_cache()
+        else:
+            kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
         self._scratch = kept
         _prefetch_small(outputs)
         if any_fault(faults):

@@ -194,3 +194,23 @@ def test_a_checked_step_on_a_large_state_has_no_single_program_to_lower():
         checked.lowered(feeds)
     hlo = unchecked.lowered(feeds).as_text()
     assert isinstance(_plan(unchecked).single, strategies.InPlace) and "jit__call" in hlo
+
+
+@pytest.mark.slow
+def test_check_then_update_translates_the_graph_once_per_feed_signature():
+    """The scratch's shapes and the program come from one trace of the step (a trace of an
+    exported CNN takes seconds), also for a second batch size; nothing of it is kept after."""
+    model = onnxtrain.make_training_model(_inference_model(), loss="mse", optimizer=onnxtrain.optim.Adam(lr=0.05))
+    trainer = _large(onnxtrain.Trainer(model, seed=5))
+    translated = trainer._runners[0].step.translated
+    traces = []
+    apply_keeping = translated.apply_keeping
+    translated.apply_keeping = lambda *args, **kwargs: (traces.append(args[1]["x"].shape), apply_keeping(*args, **kwargs))[1]
+    small = {name: value[:3] for name, value in _feeds(1)[0].items()}
+    for feeds in [*_feeds(2), small, small]:
+        trainer.step(feeds)
+    single = _plan(trainer).single
+    assert isinstance(single, strategies.CheckThenUpdate)
+    assert traces == [(6, 4), (3, 4)]
+    assert single._check.compilations() == 2
+    assert single._traced._cache_size() == 0
