@@ -11,9 +11,12 @@ machine's drift cancels out. The systems:
   the torchvision model in train mode with torch.optim.Adam (forward, cross entropy,
   backward, update);
 - forward pass: the Trainer's jitted forward (onnxtrain.translate_model under jax.jit)
-  against onnxruntime's InferenceSession on the same file, and torch eager under no_grad.
+  against onnxruntime's InferenceSession on the same file, and torch eager under no_grad;
+- first step: a new process from `import onnxtrain` to the first step's loss
+  (bench/systems/first_step.py), cold with an empty compilation cache, then warm in another
+  new process with the cache the cold one filled.
 
-Usage: python bench/exported_cnn.py [--models resnet18,regnet_y_400mf,convnext_tiny]
+Usage: python bench/exported_cnn.py [--models resnet18,regnet_y_400mf,convnext_tiny,...]
                                     [--batch 4] [--size 64] [--rounds 7] [--calls 5]
                                     [--cache /tmp/onnxtrain-exported-cnn]
 Needs torch, torchvision and onnxruntime.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +41,8 @@ import run  # noqa: E402
 
 import onnxtrain  # noqa: E402
 
-MODELS = ("resnet18", "regnet_y_400mf", "convnext_tiny")
+MODELS = ("resnet18", "regnet_y_400mf", "convnext_tiny", "mobilenet_v3_large", "efficientnet_b0",
+          "shufflenet_v2_x1_0", "squeezenet1_1")
 CLASSES = 1000
 
 
@@ -101,6 +106,22 @@ def torch_step(model, batch: dict[str, np.ndarray]) -> Callable[[], float]:
     return step
 
 
+def first_steps(path: Path, x: np.ndarray, input_name: str) -> dict[str, float]:
+    """Seconds to the first step's loss in a new process: cold (empty compilation cache), then
+    warm (the cache the cold run filled)."""
+    job = {"path": str(path), "loss": "cross_entropy", "classes": CLASSES,
+           "inputs": {input_name: [list(x.shape), str(x.dtype)]}}
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="onnxtrain-first-step-") as cache:
+        for start in ("cold", "warm"):
+            result = run.run_script(Path(sys.executable), "first_step.py", job,
+                                    {"ONNXTRAIN_COMPILATION_CACHE": cache})
+            if "unavailable" in result:
+                raise RuntimeError(f"{path.name}, {start} first step: {result['unavailable']}")
+            seconds[f"{start} s"] = result["first_step_s"]
+    return seconds
+
+
 def compare(name: str, batch_size: int, size: int, rounds: int, calls: int, cache: Path) -> dict[str, float]:
     import onnxruntime
     import torch
@@ -124,9 +145,7 @@ def compare(name: str, batch_size: int, size: int, rounds: int, calls: int, cach
             "onnxruntime": lambda: session.run(None, {input_name: x}),
             "torch": lambda: model(torch_x)}, rounds, calls)
     trainer = onnxtrain.Trainer(onnxtrain.make_training_model(str(path), loss="cross_entropy"))
-    start = time.perf_counter()
     trainer.step({input_name: x, "labels": labels})
-    first = time.perf_counter() - start
     steps = paired({"onnxtrain": lambda: float(trainer.step({input_name: x, "labels": labels})["loss"]),
                     "torch": torch_step(model, {"x": x, "labels": labels})}, rounds, calls)
     return {"step ms": statistics.median(steps["onnxtrain"]) * 1e3,
@@ -135,7 +154,7 @@ def compare(name: str, batch_size: int, size: int, rounds: int, calls: int, cach
             "forward ms": statistics.median(forwards["onnxtrain"]) * 1e3,
             "forward / ort": ratio(forwards, "onnxtrain", "onnxruntime"),
             "forward / torch": ratio(forwards, "onnxtrain", "torch"),
-            "first step s": first}
+            **first_steps(path, x, input_name)}
 
 
 def main() -> None:
