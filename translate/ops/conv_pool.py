@@ -275,11 +275,12 @@ def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
 
 
 # A depthwise convolution (every output channel reads its own input channel) as a bilinear
-# primitive: its forward and input gradient are sum_of_tap_products and that sum's
-# transpose, its weight gradient one pass over input and cotangent that sums every tap's
-# products at once (a variadic reduce). Both are far faster than XLA:CPU's own convolution
-# on depthwise layers, and the single pass is faster than the transpose JAX derives from the
-# sum of taps, which reduces tap by tap (see bench/RESULTS.md, "Design measurements").
+# primitive: its forward is sum_of_tap_products, its input gradient the same primitive on
+# the spread-out cotangent, its weight gradient one pass over input and cotangent that sums
+# every tap's products at once (a variadic reduce). All are far faster than XLA:CPU's own
+# convolution on depthwise layers, and faster than the transposes JAX derives from the sum
+# of taps, which pad every tap's product to the input's size or reduce tap by tap (see
+# bench/RESULTS.md, "Design measurements" and "Exported CNNs: slow paths").
 # A primitive (rather
 # than custom_jvp) is what lets the weight gradient differ from the derived transpose while
 # forward mode, vmap and higher derivatives keep working.
@@ -300,8 +301,21 @@ def _depthwise_shape(x: Any, w: Any, *, window: Window) -> ShapedArray:
 
 
 def _depthwise_input_cotangent(cotangent: Any, x: Any, w: Any, *, window: Window) -> Any:
-    example = jax.ShapeDtypeStruct(x.aval.shape, cotangent.dtype)
-    return jax.linear_transpose(lambda a: _depthwise_sum(a, w, window=window), example)(cotangent)[0]
+    """The input gradient as one more depthwise convolution: the cotangent, spread out by the
+    strides and padded so every input position sees the whole kernel, against the flipped
+    kernel. Each tap is then a slice of a single padded array that XLA fuses into one loop,
+    where the derived transpose pads every tap's product to the input's size and sums them."""
+    spread = []
+    for size, output, kernel, stride, dilation, (low, _) in zip(
+            x.aval.shape[2:], cotangent.shape[2:], window.kernel, window.strides, window.dilations, window.pads):
+        before = (kernel - 1) * dilation - low
+        # Input size plus the kernel's reach, minus what the spread cotangent and `before` cover.
+        after = size + low - (output - 1) * stride - 1
+        spread.append((before, after, stride - 1))
+    padded = lax.pad(cotangent, np.zeros((), cotangent.dtype), [(0, 0, 0), (0, 0, 0), *spread])
+    flipped = lax.rev(w, tuple(range(2, w.ndim)))
+    ones = (1,) * len(window.kernel)
+    return depthwise_conv(padded, flipped, Window(window.kernel, ones, window.dilations, ((0, 0),) * len(ones)))
 
 
 def _depthwise_weight_cotangent(cotangent: Any, x: Any, w: Any, *, window: Window) -> Any:
