@@ -164,8 +164,8 @@ class CheckThenUpdate(_Strategy):
         self._check = self._jit(self._check_call, 4, donate_argnums=1, keep_unused=True)
         self._update = self._jit(self._update_call, 3, donate_argnums=0)
         # A new feed signature traces the step twice: for the shapes of its scratch, then to
-        # compile. Through this inlined jit the second trace reuses the first one's jaxpr (the
-        # program is the same as calling the step directly); run() clears it after each pair.
+        # compile. Through this jit the second trace reuses the first one's jaxpr (XLA inlines
+        # the nested call, so the program is the same); run() clears it after each pair.
         self._traced = jax.jit(step, static_argnums=4)
         # The last call's tail inputs, written over by the next call (fresh buffers would
         # fault in new pages over the gradients' size every step).

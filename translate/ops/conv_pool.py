@@ -280,10 +280,9 @@ def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
 # every tap's products at once (a variadic reduce). All are far faster than XLA:CPU's own
 # convolution on depthwise layers, and faster than the transposes JAX derives from the sum
 # of taps, which pad every tap's product to the input's size or reduce tap by tap (see
-# bench/RESULTS.md, "Design measurements" and "Exported CNNs: slow paths").
-# A primitive (rather
-# than custom_jvp) is what lets the weight gradient differ from the derived transpose while
-# forward mode, vmap and higher derivatives keep working.
+# bench/RESULTS.md, "Design measurements" and "Exported CNNs: slow paths"). A primitive
+# (rather than custom_jvp) is what lets the gradients differ from the derived transposes
+# while forward mode, vmap and higher derivatives keep working.
 depthwise_p = Primitive("onnxtrain_depthwise_conv")
 
 
