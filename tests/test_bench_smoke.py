@@ -176,3 +176,19 @@ def test_same_process_ab_times_this_checkout_against_a_renamed_copy_of_a_checkou
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| mlp |")]
     assert sorted({row[2].strip() for row in rows}) == ["fit", "step"], done.stdout
     assert all("(one process)" in row[-2] for row in rows), done.stdout
+
+
+@pytest.mark.slow
+def test_first_step_worker_compiles_cold_and_loads_warm_from_the_cache(monkeypatch, tmp_path):
+    """bench/systems/first_step.py on the bundled digits CNN: the cold run compiles into an
+    empty cache folder, the warm one (a new process, same folder) retrieves from it."""
+    run = _bench_run_module(monkeypatch)
+    job = {"path": str(ROOT / "onnxtrain" / "models" / "digits_cnn.onnx"), "loss": "cross_entropy",
+           "classes": 10, "inputs": {"x": [[8, 1, 8, 8], "float32"]}}
+    env = {"ONNXTRAIN_COMPILATION_CACHE": str(tmp_path)}
+    cold, warm = (run.run_script(Path(sys.executable), "first_step.py", job, env) for _ in range(2))
+    assert "unavailable" not in cold and "unavailable" not in warm, (cold, warm)
+    assert cold["loss"] == pytest.approx(warm["loss"]) and cold["loss"] > 0
+    assert cold["compile_s"] > 0 and cold["cache_retrieval_s"] == 0
+    assert warm["cache_retrieval_s"] > 0
+    assert any(tmp_path.iterdir())
