@@ -26,7 +26,8 @@ jax.monitoring.register_event_duration_secs_listener(
 task = common.job()
 generator = np.random.default_rng(0)
 feeds = {name: generator.standard_normal(shape).astype(dtype) for name, (shape, dtype) in task["inputs"].items()}
-feeds["labels"] = generator.integers(0, task["classes"], next(iter(task["inputs"].values()))[0][0])
+batch = len(next(iter(feeds.values())))
+feeds["labels"] = generator.integers(0, task["classes"], batch)
 trainer = onnxtrain.Trainer(onnxtrain.make_training_model(task["path"], loss=task["loss"]))
 loss = float(trainer.step(feeds)["loss"])
 done = time.perf_counter()

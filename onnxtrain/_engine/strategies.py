@@ -182,13 +182,13 @@ class CheckThenUpdate(_Strategy):
     def run(self, store: StateStore, feeds: dict) -> tuple:
         old, key, constants = store.values, self.key(store), self.step.constants
         scratch, self._scratch = self._scratch, None
-        if scratch is None:
+        first = scratch is None
+        if first:
             shapes = jax.eval_shape(self._check_call, old, {}, key, constants, feeds)[0]
             scratch = {name: device_zeros(shape.shape, shape.dtype) for name, shape in shapes.items()}
-            kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
+        kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
+        if first:
             self._traced.clear_cache()
-        else:
-            kept, key, outputs, faults = self._check(old, scratch, key, constants, feeds)
         self._scratch = kept
         _prefetch_small(outputs)
         if any_fault(faults):
