@@ -37,10 +37,6 @@ from onnxtrain.state.store import StateStore, StateView
 
 logger = logging.getLogger("onnxtrain")
 
-# Inference draws from its own stream of the state's key, so it never replays a step's numbers.
-_INFERENCE_STREAM = 0x1F
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """Host copies of state values and the PRNG key, taken by Core.snapshot."""
@@ -224,15 +220,13 @@ class Core:
                 return runner.evaluate(self._store, self._placement.place_batch(checked, runner.step.where)), checked
         with self._store.transaction():
             checked = program.check_feeds(feeds)
-            key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
-            return program.run(self._store.values, self._placement.replicate(checked), key), checked
+            return program.run(self._store.values, self._placement.replicate(checked), self._store.key), checked
 
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The main graph's outputs with the current state; changes nothing."""
         with self._store.transaction():
             checked = self._placement.replicate(self._inference.check_feeds(feeds))
-            key = jax.random.fold_in(self._store.key, _INFERENCE_STREAM)
-            return self._inference.run(self._store.values, checked, key)
+            return self._inference.run(self._store.values, checked, self._store.key)
 
     def fit(self, batches: Data, epochs: int = 1, algorithm: int = 0, progress: bool | None = None,
             callbacks: Sequence[Callback] = (), eval_data: Data | None = None,

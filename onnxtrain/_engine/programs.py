@@ -108,6 +108,14 @@ class InitializationProgram(Program):
             return {k: checked_assignment(k, outputs[v], values[k], where) for k, v in self.bindings}
 
 
+# Inference draws from its own stream of the state's key, so it never replays a step's numbers.
+_INFERENCE_STREAM = 0x1F
+
+
+def _inference_key(key: jax.Array) -> jax.Array:
+    return jax.random.fold_in(key, _INFERENCE_STREAM)
+
+
 class InferenceProgram(Program):
     """The main graph with the current state; reads the store, never writes it."""
 
@@ -118,7 +126,10 @@ class InferenceProgram(Program):
         instead of the main graph (a subclass's graph that extends it)."""
         super().__init__(model, light_graph(model.graph if graph is None else graph, set(variables)), variables,
                          where, placement, feeds_where)
-        self._compiled = Compiled(self._traced, feeds_where, limit or ProgramLimit(), 1)
+        # The stream is folded in inside the program: done eagerly it costs more than a small
+        # model's whole forward pass.
+        self._compiled = Compiled(lambda params, feeds, key: self._traced(params, feeds, _inference_key(key)),
+                                  feeds_where, limit or ProgramLimit(), 1)
         self._eager_signatures = EagerSignatures()
 
     def _traced(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
@@ -129,7 +140,8 @@ class InferenceProgram(Program):
 
     def run(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         """The graph's outputs: compiled once per feed signature (a bounded number of programs
-        kept), op by op where the graph cannot be traced."""
+        kept), op by op where the graph cannot be traced. Random ops draw from the inference
+        stream of `key`, the state's key."""
         params = self.params(values)
         if feeds not in self._eager_signatures and not _host_only(list(feeds.values())):
             with jax.enable_x64(True):
@@ -140,7 +152,7 @@ class InferenceProgram(Program):
                 except NeedsHostValues:
                     self._eager_signatures.add(feeds)
         # Strings, and graphs that cannot be traced (the translated model says so, once): op by op.
-        return self._eager(params, feeds, key)
+        return self._eager(params, feeds, _inference_key(key))
 
     def compilations(self) -> int:
         return self._compiled.compilations() + super().compilations()
