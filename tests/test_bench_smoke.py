@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from support import paths
@@ -183,12 +184,17 @@ def test_first_step_worker_compiles_cold_and_loads_warm_from_the_cache(monkeypat
     """bench/systems/first_step.py on the bundled digits CNN: the cold run compiles into an
     empty cache folder, the warm one (a new process, same folder) retrieves from it."""
     run = _bench_run_module(monkeypatch)
+    feeds = tmp_path / "feeds.npz"
+    generator = np.random.default_rng(0)
+    np.savez(feeds, x=generator.standard_normal((8, 1, 8, 8)).astype(np.float32),
+             labels=generator.integers(0, 10, 8))
     job = {"path": str(ROOT / "onnxtrain" / "models" / "digits_cnn.onnx"), "loss": "cross_entropy",
-           "classes": 10, "inputs": {"x": [[8, 1, 8, 8], "float32"]}}
-    env = {"ONNXTRAIN_COMPILATION_CACHE": str(tmp_path)}
+           "feeds": str(feeds)}
+    cache = tmp_path / "cache"
+    env = {"ONNXTRAIN_COMPILATION_CACHE": str(cache)}
     cold, warm = (run.run_script(Path(sys.executable), "first_step.py", job, env) for _ in range(2))
     assert "unavailable" not in cold and "unavailable" not in warm, (cold, warm)
     assert cold["loss"] == pytest.approx(warm["loss"]) and cold["loss"] > 0
     assert cold["compile_s"] > 0 and cold["cache_retrieval_s"] == 0
     assert warm["cache_retrieval_s"] > 0
-    assert any(tmp_path.iterdir())
+    assert any(cache.iterdir())

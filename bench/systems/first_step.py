@@ -1,6 +1,7 @@
 """first-step: how long a new process takes from `import onnxtrain` to its first training
 step's loss, on an exported inference model turned into a training model with
-make_training_model (job: "path", "loss", "inputs": {name: [shape, dtype]}, "classes").
+make_training_model (job: "path", "loss", optionally "output", and "feeds": an .npz of the
+step's feeds, labels included).
 
 Whether the step compiles or loads its program from JAX's persistent cache is the caller's
 choice of ONNXTRAIN_COMPILATION_CACHE: an empty folder for a cold start, the same folder
@@ -24,11 +25,10 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **_: durations.__setitem__(event, durations[event] + seconds))
 
 task = common.job()
-generator = np.random.default_rng(0)
-feeds = {name: generator.standard_normal(shape).astype(dtype) for name, (shape, dtype) in task["inputs"].items()}
-batch = len(next(iter(feeds.values())))
-feeds["labels"] = generator.integers(0, task["classes"], batch)
-trainer = onnxtrain.Trainer(onnxtrain.make_training_model(task["path"], loss=task["loss"]))
+with np.load(task["feeds"]) as data:
+    feeds = dict(data)
+trainer = onnxtrain.Trainer(onnxtrain.make_training_model(task["path"], loss=task["loss"],
+                                                          output=task.get("output")))
 loss = float(trainer.step(feeds)["loss"])
 done = time.perf_counter()
 common.report(first_step_s=done - imported, import_s=imported - start, loss=loss,

@@ -332,12 +332,23 @@ def trace(initial: dict[str, np.ndarray], gradients: dict[str, np.ndarray],
     return Traced(summed, covered, constants)
 
 
+def torch_training_model(family):
+    """The family's torch model computing what its training model computes: BatchNorm in
+    train mode (batch statistics), every other module in eval mode, as exported (Dropout
+    and stochastic depth are then the identity, as in the export)."""
+    import torch
+
+    model = export_zoo.torch_model(family)
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+    for module in model.modules():
+        module.train(family.batchnorm and isinstance(module, norms))
+    return model
+
+
 def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
                  initial: dict[str, np.ndarray] | None = None, dtype=np.float32) -> tuple[dict, dict]:
     """(parameters, gradients) of the family's loss in torch, by parameter name, computed in
-    `dtype` (the parameters are returned as exported, in float32). BatchNorm runs in train
-    mode (batch statistics), as the training model does; every other module stays in eval
-    mode, as exported (Dropout and stochastic depth are then the identity, as in the export).
+    `dtype` (the parameters are returned as exported, in float32), on torch_training_model.
     scikit-learn families are rebuilt in torch from their initializers (`initial`)."""
     import torch
     import torch.nn.functional as F
@@ -346,10 +357,7 @@ def torch_oracle(family, feeds: dict[str, np.ndarray], labels: np.ndarray,
         model = _sklearn_in_torch(family, initial)
         inputs = [torch.from_numpy(feeds["X"])]
     else:
-        model = export_zoo.torch_model(family)
-        norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
-        for module in model.modules():
-            module.train(family.batchnorm and isinstance(module, norms))
+        model = torch_training_model(family)
         batch = export_zoo.batch(family)
         inputs = [torch.from_numpy(v) for v in batch.values()]
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
