@@ -42,6 +42,8 @@ def enable_compilation_cache() -> Path | None:
                        "folder or to 'off'", folder, error, ENVIRONMENT)
         return None
     jax.config.update("jax_compilation_cache_dir", str(folder))
-    # Small programs compile faster than a cache lookup is worth; keep the big ones.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
+    # Keep every program, however small: JAX looks each one up anyway, and the small ones
+    # (the host-side folding of shape-like values, state set-up) add up to a good part of a
+    # warm start when they are compiled again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return folder

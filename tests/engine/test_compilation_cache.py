@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,6 @@ graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
 model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 training = onnxtrain.make_training_model(model, loss="mse")
 trainer = onnxtrain.Trainer(training)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # cache even this small step
 trainer.step({"x": np.ones((4, 256), np.float32), "labels": np.zeros((4, 64), np.float32)})
 print(jax.config.jax_compilation_cache_dir)
 """
@@ -88,7 +88,38 @@ def _start_up_compilations(layers: int) -> tuple[int, int]:
 
 
 def test_start_up_compiles_the_same_programs_whatever_the_number_of_state_shapes():
-    """Programs too quick for the persistent cache are compiled again at every start: copying
+    """Without the persistent cache, start-up programs are compiled again at every start: copying
     the state into the store and making the checked step's spare buffers must not cost one
     per state shape (a ResNet-18 paid 0.3 s and 0.7 s of its warm start for them)."""
     assert _start_up_compilations(1) == _start_up_compilations(4)
+
+
+WARM = """
+import collections, json, numpy as np, jax, onnxtrain
+from onnx import TensorProto, helper, numpy_helper
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **_: events.update([event]))
+nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["r"]),
+         helper.make_node("MatMul", ["r", "W"], ["y"])]
+graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+    [numpy_helper.from_array(np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32), "W")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+trainer = onnxtrain.Trainer(onnxtrain.make_training_model(model, loss="mse"))
+trainer.step({"x": np.ones((4, 16), np.float32), "labels": np.zeros((4, 8), np.float32)})
+print(json.dumps([events["/jax/compilation_cache/compile_requests_use_cache"],
+                  events["/jax/compilation_cache/cache_hits"]]))
+"""
+
+
+def test_a_warm_start_compiles_nothing(tmp_path):
+    """Every program of a start is kept, the small ones too (the shape folding's, the state's
+    set-up): a second process with the same cache folder finds them all."""
+    env = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    (cold_programs, cold_hits), (warm_programs, warm_hits) = (
+        json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert cold_programs > 0 and cold_hits == 0
+    assert warm_hits == warm_programs == cold_programs
