@@ -109,8 +109,12 @@ def main() -> None:
         if (arguments.family and name not in arguments.family) or (
                 arguments.exporter and exporter not in arguments.exporter):
             continue
-        row, note = compare(zoo, name, exporter, arguments.rounds, arguments.calls, arguments.compile,
-                            arguments.first_steps)
+        try:
+            row, note = compare(zoo, name, exporter, arguments.rounds, arguments.calls, arguments.compile,
+                                arguments.first_steps)
+        except onnxtrain.errors.OnnxTrainError as error:  # e.g. an ML-op pipeline with nothing to train
+            notes.append(f"{name} ({exporter}): not measured: {str(error).splitlines()[0]}")
+            continue
         rows[f"{name} | {exporter}"] = row
         print(f"{name} {exporter}: " + ", ".join(f"{key} {value:.3g}" for key, value in row.items()
                                                  if value != "") + (f"; {note}" if note else ""),
