@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import run  # noqa: E402
-from paired import first_steps, paired, ratio, torch_compiled_step, torch_step  # noqa: E402
+from paired import first_steps, paired, print_table, ratio, torch_compiled_step, torch_step  # noqa: E402
 
 import onnxtrain  # noqa: E402
 
@@ -117,11 +117,7 @@ def main() -> None:
     arguments = parser.parse_args()
     rows = {name: compare(name, arguments.batch, arguments.size, arguments.rounds, arguments.calls,
                           arguments.cache, arguments.compile) for name in arguments.models.split(",")}
-    columns = list(next(iter(rows.values())))
-    print("| model | " + " | ".join(columns) + " |")
-    print("|---|" + "---|" * len(columns))
-    for name, row in rows.items():
-        print(f"| {name} | " + " | ".join(f"{row[c]:.2f}" if row[c] != "" else "" for c in columns) + " |")
+    print_table(rows, "model")
     print(f"batch {arguments.batch}, 3x{arguments.size}x{arguments.size}, {arguments.rounds} rounds of "
           f"{arguments.calls} calls per system; {run.machine()}")
 

@@ -40,6 +40,15 @@ def ratio(seconds: dict[str, list[float]], top: str, bottom: str) -> float:
     return statistics.median(a / b for a, b in zip(seconds[top], seconds[bottom]))
 
 
+def print_table(rows: dict[str, dict[str, float | str]], key_header: str) -> None:
+    """Rows (name -> column -> value, "" where there is none) as a markdown table."""
+    columns = list(next(iter(rows.values())))
+    print(f"| {key_header} | " + " | ".join(columns) + " |")
+    print("|" + "---|" * (key_header.count("|") + 1 + len(columns)))
+    for key, row in rows.items():
+        print(f"| {key} | " + " | ".join(f"{row[c]:.2f}" if row[c] != "" else "" for c in columns) + " |")
+
+
 def torch_step(model, inputs: list[np.ndarray], labels: np.ndarray, loss: str) -> Callable[[], float]:
     """One torch training step of `model` (in whatever train/eval modes the caller set):
     forward, the loss ("cross_entropy" on class indices or "mse"), backward, Adam."""

@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 import models  # noqa: E402
+from paired import median_seconds  # noqa: E402
 
 import onnxtrain  # noqa: E402
 
@@ -60,15 +61,6 @@ ROWS = {
                models.RESNET18_INPUT, IMAGE_BATCH, False),
 }
 MODELS = tuple(ROWS)
-
-
-def _median_step_seconds(step, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class _Stepper:
@@ -148,7 +140,7 @@ def compare(name: str, onnx_model, forward, weights, batches, rounds: int, calls
     times: dict[int, list[float]] = {id(system): [] for system in systems}
     for index in range(rounds):
         for system in systems if index % 2 == 0 else systems[::-1]:
-            times[id(system)].append(_median_step_seconds(system, calls))
+            times[id(system)].append(median_seconds(system, calls))
     compiles = trainer.compilations
 
     def ratios(a, b) -> list[float]:

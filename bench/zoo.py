@@ -15,7 +15,7 @@ per forward pass, timed side by side in rounds (bench/paired.py) in one process.
 scikit-learn models have no torch counterpart: their step columns stay empty.
 
 Usage: python bench/zoo.py [--family bert ...] [--exporter dynamo ...] [--rounds 7] [--calls 20]
-                           [--no-compile] [--first-steps] [--exports /tmp/onnxtrain-zoo]
+                           [--batch 4] [--no-compile] [--first-steps] [--exports /tmp/onnxtrain-zoo]
 Needs the test extras (torch, torchvision, transformers, timm, scikit-learn, skl2onnx,
 onnxruntime).
 """
@@ -29,11 +29,12 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import run  # noqa: E402
-from paired import first_steps, paired, ratio, torch_compiled_step, torch_step  # noqa: E402
+from paired import first_steps, paired, print_table, ratio, torch_compiled_step, torch_step  # noqa: E402
 
 import onnxtrain  # noqa: E402
 
@@ -51,18 +52,30 @@ zoo_checks = _zoo_checks()
 export_zoo = zoo_checks.export_zoo
 
 
+def tiled(array: np.ndarray, batch: int) -> np.ndarray:
+    """`array`'s samples (axis 0) repeated in turn until there are `batch` of them."""
+    return np.take(array, np.arange(batch) % len(array), axis=0)
+
+
 def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torch: bool,
-            first: bool) -> tuple[dict[str, float | str], str]:
-    """One row of the table, and a note (why torch.compile is missing, if it is)."""
+            first: bool, batch: int) -> tuple[dict[str, float | str], str]:
+    """One row of the table, and a note (why torch.compile is missing, if it is). At another
+    batch size than the export's, the model's batch axis is relaxed (make_training_model's
+    repair) and onnxruntime runs the Trainer's inference export of it."""
     import onnxruntime
 
     family = export_zoo.FAMILIES[name]
     zoo.model(name, exporter)
     path = zoo.folder / f"{name}-{exporter}.onnx"
-    feeds, labels = zoo.feeds(name, exporter), zoo.labels(name)
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(str(path), loss=family.loss,
-                                                              output=family.output))
+    feeds = {key: tiled(value, batch) for key, value in zoo.feeds(name, exporter).items()}
+    labels = tiled(zoo.labels(name), batch)
+    relax = batch != export_zoo.BATCH
+    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(
+        str(path), loss=family.loss, output=family.output, repair="relax_batch" if relax else None))
+    served = zoo.folder / f"{name}-{exporter}.b{batch}.onnx" if relax else path
+    if relax:
+        trainer.export(served, training=False)
+    session = onnxruntime.InferenceSession(str(served), providers=["CPUExecutionProvider"])
     forwards = paired({"onnxtrain": lambda: jax.block_until_ready(trainer.infer(feeds)),
                        "onnxruntime": lambda: session.run(None, feeds)}, rounds, calls)
     step_feeds = {**feeds, "labels": labels}
@@ -70,7 +83,7 @@ def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torc
     steps = {"onnxtrain": lambda: float(trainer.step(step_feeds)["loss"])}
     note = ""
     if not name.startswith("sk_"):
-        inputs = list(export_zoo.batch(family).values())
+        inputs = [tiled(value, batch) for value in export_zoo.batch(family).values()]
         steps["torch"] = torch_step(zoo_checks.torch_training_model(family), inputs, labels, family.loss)
         if compile_torch:
             compiled, seconds = torch_compiled_step(zoo_checks.torch_training_model(family), inputs,
@@ -88,7 +101,8 @@ def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torc
         "forward ms": statistics.median(forwards["onnxtrain"]) * 1e3,
         "forward / ort": ratio(forwards, "onnxtrain", "onnxruntime")}
     if first:
-        row.update(first_steps({"path": str(path), "loss": family.loss, "output": family.output}, step_feeds))
+        row.update(first_steps({"path": str(path), "loss": family.loss, "output": family.output,
+                                "repair": "relax_batch" if relax else None}, step_feeds))
     return row, note
 
 
@@ -100,6 +114,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     parser.add_argument("--first-steps", action="store_true", help="cold and warm first steps (new processes)")
+    parser.add_argument("--batch", type=int, default=export_zoo.BATCH,
+                        help="samples per step (the exported batch's, repeated); default: the export's")
     parser.add_argument("--exports", type=Path, default=Path("/tmp/onnxtrain-zoo"))
     arguments = parser.parse_args()
     arguments.exports.mkdir(parents=True, exist_ok=True)
@@ -111,7 +127,7 @@ def main() -> None:
             continue
         try:
             row, note = compare(zoo, name, exporter, arguments.rounds, arguments.calls, arguments.compile,
-                                arguments.first_steps)
+                                arguments.first_steps, arguments.batch)
         except onnxtrain.errors.OnnxTrainError as error:  # e.g. an ML-op pipeline with nothing to train
             notes.append(f"{name} ({exporter}): not measured: {str(error).splitlines()[0]}")
             continue
@@ -121,12 +137,8 @@ def main() -> None:
               file=sys.stderr, flush=True)
         if note:
             notes.append(f"{name} ({exporter}): {note}")
-    columns = list(next(iter(rows.values())))
-    print("| model | exporter | " + " | ".join(columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
-    for key, row in rows.items():
-        print(f"| {key} | " + " | ".join(f"{row[c]:.2f}" if row[c] != "" else "" for c in columns) + " |")
-    print(f"batch {export_zoo.BATCH} (the zoo's), {arguments.rounds} rounds of {arguments.calls} calls "
+    print_table(rows, "model | exporter")
+    print(f"batch {arguments.batch} (the zoo's exports have {export_zoo.BATCH}), {arguments.rounds} rounds of {arguments.calls} calls "
           f"per system; {run.machine()}")
     for note in notes:
         print(note)
