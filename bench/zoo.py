@@ -12,7 +12,9 @@ per forward pass, timed side by side in rounds (bench/paired.py) in one process.
   InferenceSession on the same file;
 - first step: cold and warm new processes, as in exported_cnn.py (--first-steps).
 
-scikit-learn models have no torch counterpart: their step columns stay empty.
+Steps take the zoo's fixed batch (4 samples), or with --batch N its samples repeated to N, the
+torch model exported again at that size by the same exporter (exporters bake the batch size
+in). scikit-learn models have no torch counterpart: their step columns stay empty.
 
 Usage: python bench/zoo.py [--family bert ...] [--exporter dynamo ...] [--rounds 7] [--calls 20]
                            [--batch 4] [--no-compile] [--first-steps] [--exports /tmp/onnxtrain-zoo]
@@ -57,25 +59,35 @@ def tiled(array: np.ndarray, batch: int) -> np.ndarray:
     return np.take(array, np.arange(batch) % len(array), axis=0)
 
 
+def exported(zoo, name: str, exporter: str, batch: int) -> Path:
+    """The family's export for steps of `batch` samples: the zoo's own at its batch size, else
+    the torch model exported again by the same exporter on the zoo's samples repeated
+    (scikit-learn exports take any batch)."""
+    zoo.model(name, exporter)
+    path = zoo.folder / f"{name}-{exporter}.onnx"
+    if batch == export_zoo.BATCH or exporter == "skl2onnx":
+        return path
+    family = export_zoo.FAMILIES[name]
+    path = zoo.folder / f"{name}-{exporter}.b{batch}.onnx"
+    if not path.exists():
+        inputs = {key: tiled(value, batch) for key, value in export_zoo.batch(family).items()}
+        path.write_bytes(export_zoo.export_torch(export_zoo.torch_model(family), inputs, exporter, family.output))
+    return path
+
+
 def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torch: bool,
             first: bool, batch: int) -> tuple[dict[str, float | str], str]:
-    """One row of the table, and a note (why torch.compile is missing, if it is). At another
-    batch size than the export's, the model's batch axis is relaxed (make_training_model's
-    repair) and onnxruntime runs the Trainer's inference export of it."""
+    """One row of the table, and a note (why torch.compile is missing, if it is)."""
     import onnxruntime
 
     family = export_zoo.FAMILIES[name]
-    zoo.model(name, exporter)
-    path = zoo.folder / f"{name}-{exporter}.onnx"
-    feeds = {key: tiled(value, batch) for key, value in zoo.feeds(name, exporter).items()}
+    path = exported(zoo, name, exporter, batch)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    wanted = {value.name for value in session.get_inputs()}
+    feeds = {key: tiled(value, batch) for key, value in export_zoo.batch(family).items() if key in wanted}
     labels = tiled(zoo.labels(name), batch)
-    relax = batch != export_zoo.BATCH
-    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(
-        str(path), loss=family.loss, output=family.output, repair="relax_batch" if relax else None))
-    served = zoo.folder / f"{name}-{exporter}.b{batch}.onnx" if relax else path
-    if relax:
-        trainer.export(served, training=False)
-    session = onnxruntime.InferenceSession(str(served), providers=["CPUExecutionProvider"])
+    trainer = onnxtrain.Trainer(onnxtrain.make_training_model(str(path), loss=family.loss,
+                                                              output=family.output))
     forwards = paired({"onnxtrain": lambda: jax.block_until_ready(trainer.infer(feeds)),
                        "onnxruntime": lambda: session.run(None, feeds)}, rounds, calls)
     step_feeds = {**feeds, "labels": labels}
@@ -101,8 +113,7 @@ def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torc
         "forward ms": statistics.median(forwards["onnxtrain"]) * 1e3,
         "forward / ort": ratio(forwards, "onnxtrain", "onnxruntime")}
     if first:
-        row.update(first_steps({"path": str(path), "loss": family.loss, "output": family.output,
-                                "repair": "relax_batch" if relax else None}, step_feeds))
+        row.update(first_steps({"path": str(path), "loss": family.loss, "output": family.output}, step_feeds))
     return row, note
 
 
@@ -115,7 +126,7 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     parser.add_argument("--first-steps", action="store_true", help="cold and warm first steps (new processes)")
     parser.add_argument("--batch", type=int, default=export_zoo.BATCH,
-                        help="samples per step (the exported batch's, repeated); default: the export's")
+                        help="samples per step: the zoo's samples repeated, and exported again at that size")
     parser.add_argument("--exports", type=Path, default=Path("/tmp/onnxtrain-zoo"))
     arguments = parser.parse_args()
     arguments.exports.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """first-step: how long a new process takes from `import onnxtrain` to its first training
 step's loss, on an exported inference model turned into a training model with
-make_training_model (job: "path", "loss", optionally "output" and "repair", and "feeds": an
-.npz of the step's feeds, labels included).
+make_training_model (job: "path", "loss", optionally "output", and "feeds": an .npz of the
+step's feeds, labels included).
 
 Whether the step compiles or loads its program from JAX's persistent cache is the caller's
 choice of ONNXTRAIN_COMPILATION_CACHE: an empty folder for a cold start, the same folder
@@ -28,7 +28,7 @@ task = common.job()
 with np.load(task["feeds"]) as data:
     feeds = dict(data)
 trainer = onnxtrain.Trainer(onnxtrain.make_training_model(task["path"], loss=task["loss"],
-                                                          output=task.get("output"), repair=task.get("repair")))
+                                                          output=task.get("output")))
 loss = float(trainer.step(feeds)["loss"])
 done = time.perf_counter()
 common.report(first_step_s=done - imported, import_s=imported - start, loss=loss,
