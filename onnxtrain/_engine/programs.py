@@ -126,11 +126,13 @@ class InferenceProgram(Program):
         instead of the main graph (a subclass's graph that extends it)."""
         super().__init__(model, light_graph(model.graph if graph is None else graph, set(variables)), variables,
                          where, placement, feeds_where)
+        self._compiled = Compiled(self._traced_from_state_key, feeds_where, limit or ProgramLimit(), 1)
+        self._eager_signatures = EagerSignatures()
+
+    def _traced_from_state_key(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         # The stream is folded in inside the program: done eagerly it costs more than a small
         # model's whole forward pass.
-        self._compiled = Compiled(lambda params, feeds, key: self._traced(params, feeds, _inference_key(key)),
-                                  feeds_where, limit or ProgramLimit(), 1)
-        self._eager_signatures = EagerSignatures()
+        return self._traced(params, feeds, _inference_key(key))
 
     def _traced(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         return self.translated._traced(params, feeds, key)
