@@ -84,7 +84,8 @@ def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torc
     path = exported(zoo, name, exporter, batch)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     wanted = {value.name for value in session.get_inputs()}
-    feeds = {key: tiled(value, batch) for key, value in export_zoo.batch(family).items() if key in wanted}
+    samples = {key: tiled(value, batch) for key, value in export_zoo.batch(family).items()}
+    feeds = {key: value for key, value in samples.items() if key in wanted}
     labels = tiled(zoo.labels(name), batch)
     trainer = onnxtrain.Trainer(onnxtrain.make_training_model(str(path), loss=family.loss,
                                                               output=family.output))
@@ -95,7 +96,7 @@ def compare(zoo, name: str, exporter: str, rounds: int, calls: int, compile_torc
     steps = {"onnxtrain": lambda: float(trainer.step(step_feeds)["loss"])}
     note = ""
     if not name.startswith("sk_"):
-        inputs = [tiled(value, batch) for value in export_zoo.batch(family).values()]
+        inputs = list(samples.values())
         steps["torch"] = torch_step(zoo_checks.torch_training_model(family), inputs, labels, family.loss)
         if compile_torch:
             compiled, seconds = torch_compiled_step(zoo_checks.torch_training_model(family), inputs,
