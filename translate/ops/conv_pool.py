@@ -255,10 +255,20 @@ conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
 # too; one matrix product over the windows' elements beats it up to here (see
 # bench/RESULTS.md, "Exported CNNs: slow paths (issue 36)").
 PATCHES_LIMIT = 64
+# A wide layer (one group, a kernel of 3x3 or more, at least WIDE_PAIRS (input channel, kernel
+# position) pairs) goes to conv_by_patches on at most WIDE_PATCHES_LIMIT positions: its patches
+# copy every input value once per kernel position, which costs more than XLA's convolution
+# once the map is past the sizes where that convolution is slow (ResNet's and SqueezeNet's
+# 3x3 layers; see bench/RESULTS.md, "The patches limit by layer").
+WIDE_PATCHES_LIMIT = 16
+WIDE_PAIRS = 128
 
 
-def uses_patches(x: Any, w: Any, window: Window) -> bool:
-    return summable_by_taps(x, w) and math.prod(window.output_sizes(x.shape[2:])) <= PATCHES_LIMIT
+def uses_patches(x: Any, w: Any, window: Window, group: int) -> bool:
+    taps = math.prod(window.kernel)
+    wide = group == 1 and taps >= 9 and w.shape[1] * taps >= WIDE_PAIRS
+    limit = WIDE_PATCHES_LIMIT if wide else PATCHES_LIMIT
+    return summable_by_taps(x, w) and math.prod(window.output_sizes(x.shape[2:])) <= limit
 
 
 def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
@@ -363,7 +373,7 @@ def conv(node: Any, x: Any, w: Any, b: Any = None) -> Any:
         y = depthwise_conv(x if multiplier == 1 else jnp.repeat(x, multiplier, axis=1), w, window)
     else:
         lowering = (conv_by_taps if uses_taps(x, w, window)
-                    else conv_by_patches if uses_patches(x, w, window) else library_conv)
+                    else conv_by_patches if uses_patches(x, w, window, group) else library_conv)
         y = lowering(x, w, window, group)
     return y if b is None else y + bias_shaped(b, rank)
 

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxtrain.translate.ops.conv_pool import PATCHES_LIMIT
+from onnxtrain.translate.ops.conv_pool import PATCHES_LIMIT, WIDE_PAIRS, WIDE_PATCHES_LIMIT
 from support.op_testing import finite_difference, single_op_feeds, single_op_model, translate
 
 CASES = {
@@ -93,6 +93,23 @@ def test_the_patches_limit_is_on_output_positions_per_image():
     assert " convolution(" not in _program(at_limit, pads=[1, 1, 1, 1])
     assert " convolution(" in _program(above, pads=[1, 1, 1, 1])
     assert " convolution(" in _program(half, pads=[1, 1, 1, 1])
+
+
+def test_wide_layers_use_products_on_smaller_maps_only():
+    """A dense layer with a 3x3 kernel over 16 channels (144 pairs) runs as a product on 4x4
+    outputs and on XLA's convolution from 5x5; with 8 channels (72 pairs), in 2 groups, or
+    with a 1x1 kernel, the general limit holds."""
+    assert (WIDE_PATCHES_LIMIT, WIDE_PAIRS) == (16, 128)
+    pads = dict(pads=[1, 1, 1, 1])
+    wide = np.ones((4, 16, 3, 3), np.float32)
+    assert " convolution(" not in _program([np.ones((2, 16, 4, 4), np.float32), wide], **pads)
+    assert " convolution(" in _program([np.ones((2, 16, 5, 5), np.float32), wide], **pads)
+    narrow = np.ones((4, 8, 3, 3), np.float32)
+    assert " convolution(" not in _program([np.ones((2, 8, 6, 6), np.float32), narrow], **pads)
+    grouped = np.ones((4, 16, 3, 3), np.float32)
+    assert " convolution(" not in _program([np.ones((2, 32, 6, 6), np.float32), grouped], group=2, **pads)
+    pointwise = np.ones((4, 256, 1, 1), np.float32)
+    assert " convolution(" not in _program([np.ones((2, 256, 6, 6), np.float32), pointwise])
 
 
 @pytest.mark.slow
