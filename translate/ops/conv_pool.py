@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,19 +230,24 @@ def conv_by_taps(x: Any, w: Any, window: Window, group: int) -> Any:
     return sum_of_tap_products(x, w, window, group)
 
 
-def conv_by_taps_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
-    """Convolution is bilinear: d(x * w) = dx * w + x * dw, each term by the library
-    convolution, whose transpose is what reverse mode runs. A zero tangent (an input
-    that is not differentiated, such as the data) skips its term."""
+def bilinear_jvp(y: Any, product: Callable[[Any, Any], Any], primals: tuple, tangents: tuple) -> tuple:
+    """(y, dy) of a convolution y = x * w, which is bilinear: dy = dx * w + x * dw, each term
+    by `product`, whose transpose is what reverse mode runs. A zero tangent (an input that is
+    not differentiated, such as the data) skips its term."""
     x, w = primals
     dx, dw = tangents
     terms = []
     if not isinstance(dx, SymbolicZero):
-        terms.append(library_conv(dx, w, window, group))
+        terms.append(product(dx, w))
     if not isinstance(dw, SymbolicZero):
-        terms.append(library_conv(x, dw, window, group))
-    y = conv_by_taps(x, w, window, group)
+        terms.append(product(x, dw))
     return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
+
+
+def conv_by_taps_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
+    """Both terms by the library convolution."""
+    return bilinear_jvp(conv_by_taps(*primals, window, group),
+                        lambda x, w: library_conv(x, w, window, group), primals, tangents)
 
 
 conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
@@ -271,17 +276,67 @@ def uses_patches(x: Any, w: Any, window: Window, group: int) -> bool:
     return summable_by_taps(x, w) and math.prod(window.output_sizes(x.shape[2:])) <= limit
 
 
-def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
-    """A convolution as one matrix product per group between every window's elements
-    (input channel x kernel position) and the weights; autodiff of the slices and the
-    product gives the gradients, again products and slice sums."""
+def reaching_offsets(window: Window, sizes: Sequence[int], outputs: Sequence[int]) -> list[np.ndarray]:
+    """Per spatial axis, the kernel offsets at which some window reads an input element. At
+    the others every window reads padding, whose products are zero: on a 1x1 map a 3x3
+    kernel padded by 1 reads the input at its centre only. A kernel position reads input
+    exactly when its offset does on every axis."""
+    reaching = []
+    for axis, size in enumerate(sizes):
+        along = window_inputs(window, outputs, axis)
+        reaching.append(np.flatnonzero(((along >= 0) & (along < size)).any(axis=1)))
+    return reaching
+
+
+def _kernel_at(w: Any, offsets: Sequence[np.ndarray]) -> Any:
+    """w (O, C, *kernel) at the given offsets of each kernel axis: a slice where they follow
+    one another, else a gather."""
+    for axis, kept in enumerate(offsets, start=2):
+        if len(kept) == w.shape[axis]:
+            continue
+        if kept[-1] - kept[0] + 1 == len(kept):
+            w = lax.slice_in_dim(w, int(kept[0]), int(kept[-1]) + 1, axis=axis)
+        else:
+            w = jnp.take(w, kept, axis=axis)
+    return w
+
+
+def patches_product(x: Any, w: Any, window: Window, group: int, offsets: Sequence[np.ndarray]) -> Any:
+    """The convolution as one matrix product per group between every window's elements
+    (input channel x kernel position, the positions at `offsets` per kernel axis only) and
+    the weights there."""
     outputs = window.output_sizes(x.shape[2:])
     batch, out_channels, per_group = x.shape[0], w.shape[0], w.shape[1]
+    if not all(len(kept) for kept in offsets):  # every window lies in the padding
+        return jnp.zeros((batch, out_channels, *outputs), jnp.result_type(x, w))
+    taps = np.ravel_multi_index(np.meshgrid(*offsets, indexing="ij"), window.kernel).ravel()
+    pieces = window_pieces(x, window, outputs, 0)
     # (taps, N, C, *outputs) -> (taps, N, group, C per group, positions)
-    patches = window_patches(x, window, outputs, 0).reshape(-1, batch, group, per_group, math.prod(outputs))
-    weights = w.reshape(group, out_channels // group, per_group, -1)
+    patches = jnp.stack([pieces[tap] for tap in taps]).reshape(-1, batch, group, per_group, math.prod(outputs))
+    weights = _kernel_at(w, offsets).reshape(group, out_channels // group, per_group, -1)
     y = jnp.einsum("kngcp,gock->ngop", patches, weights, precision=lax.Precision.HIGHEST)
     return y.reshape(batch, out_channels, *outputs)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def conv_by_patches(x: Any, w: Any, window: Window, group: int) -> Any:
+    """A convolution by patches_product over every kernel position: the product reads the
+    weights as they lie, where leaving out positions that read only padding would first
+    copy the rest out of them. The derivatives (conv_by_patches_jvp) leave those out."""
+    return patches_product(x, w, window, group, [np.arange(size) for size in window.kernel])
+
+
+def conv_by_patches_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
+    """Both terms by patches_product over the kernel positions that read input (see
+    reaching_offsets): their transposes, the gradients, then compute and write nothing for
+    weights that only ever meet padding."""
+    sizes = primals[0].shape[2:]
+    offsets = reaching_offsets(window, sizes, window.output_sizes(sizes))
+    return bilinear_jvp(conv_by_patches(*primals, window, group),
+                        lambda x, w: patches_product(x, w, window, group, offsets), primals, tangents)
+
+
+conv_by_patches.defjvp(conv_by_patches_jvp, symbolic_zeros=True)
 
 
 # A depthwise convolution (every output channel reads its own input channel) as a bilinear

@@ -8,6 +8,8 @@ gradients, the compiled HLO for the lowering.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,11 @@ CASES = {
     "same-upper": ((1, 4, 5, 5), (3, 4, 4, 2), dict(auto_pad="SAME_UPPER", strides=[2, 1])),
     "1-d": ((3, 4, 9), (5, 4, 3), dict(strides=[2], pads=[1, 2])),
     "3-d": ((1, 3, 3, 4, 2), (4, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 0, 0])),
+    # Kernel positions that read only padding (left out of the product).
+    "map-of-one": ((2, 8, 1, 1), (6, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
+    "strided-to-one": ((2, 8, 2, 2), (6, 8, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    "gapped": ((1, 2, 1, 5), (3, 2, 3, 3), dict(strides=[3, 1], pads=[2, 1, 2, 1], dilations=[2, 1])),
+    "all-padding": ((1, 2, 1, 1), (3, 2, 1, 1), dict(strides=[2, 2], pads=[1, 1, 0, 0])),
 }
 
 
@@ -59,7 +66,8 @@ def test_small_convolutions_match_onnxruntime_without_a_convolution_op(case):
     assert " convolution(" not in _program(inputs, **attributes)
 
 
-@pytest.mark.parametrize("case", ["smaller-than-kernel", "grouped-dilated", "same-upper", "1-d", "3-d"])
+@pytest.mark.parametrize("case", ["smaller-than-kernel", "grouped-dilated", "same-upper", "1-d", "3-d", "map-of-one",
+                                  "gapped"])
 @pytest.mark.parametrize("wrt", [0, 1, 2], ids=["input", "weights", "bias"])
 @pytest.mark.slow
 def test_small_convolution_gradients_match_finite_differences(case, wrt):
@@ -110,6 +118,42 @@ def test_wide_layers_use_products_on_smaller_maps_only():
     assert " convolution(" not in _program([np.ones((2, 32, 6, 6), np.float32), grouped], group=2, **pads)
     pointwise = np.ones((4, 256, 1, 1), np.float32)
     assert " convolution(" not in _program([np.ones((2, 256, 6, 6), np.float32), pointwise])
+
+
+def test_derivatives_leave_out_kernel_positions_reading_only_padding():
+    """A 3x3 layer padded by 1 on a 1x1 map (ResNet's last stage on a 32x32 image) reads the
+    input at the kernel's centre only. The forward product takes all nine positions (the
+    weights as they lie); the derivative's product, and so the gradients, one."""
+    inputs = _arrays((2, 64, 1, 1), (32, 64, 3, 3), np.float32, 0)
+    fn = translate(single_op_model("Conv", inputs, 22, pads=[1, 1, 1, 1]))
+    feeds = single_op_feeds(inputs)
+
+    def forward(w):
+        return fn.apply(fn.params, {**feeds, "X1": w})["Y0"]
+
+    _, derivative = jax.linearize(forward, jnp.asarray(inputs[1]))
+    assert _contracted(jax.make_jaxpr(forward)(inputs[1])) == [64 * 9]
+    assert _contracted(jax.make_jaxpr(derivative)(inputs[1])) == [64]
+
+
+def _contracted(jaxpr) -> list[int]:
+    """The contracted size of every matrix product in a jaxpr."""
+    sizes = []
+    for equation in _equations(jaxpr.jaxpr):
+        if equation.primitive.name == "dot_general":
+            (axes, _), _ = equation.params["dimension_numbers"]
+            sizes.append(math.prod(equation.invars[0].aval.shape[axis] for axis in axes))
+    return sizes
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of the jaxprs nested in its equations included."""
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
 
 
 @pytest.mark.slow
