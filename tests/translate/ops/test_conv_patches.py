@@ -29,7 +29,7 @@ CASES = {
     "same-upper": ((1, 4, 5, 5), (3, 4, 4, 2), dict(auto_pad="SAME_UPPER", strides=[2, 1])),
     "1-d": ((3, 4, 9), (5, 4, 3), dict(strides=[2], pads=[1, 2])),
     "3-d": ((1, 3, 3, 4, 2), (4, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 0, 0])),
-    # Kernel positions that read only padding (left out of the product).
+    # Kernel positions that read only padding (left out of the derivatives' products).
     "map-of-one": ((2, 8, 1, 1), (6, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
     "strided-to-one": ((2, 8, 2, 2), (6, 8, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
     "gapped": ((1, 2, 1, 5), (3, 2, 3, 3), dict(strides=[3, 1], pads=[2, 1, 2, 1], dilations=[2, 1])),
