@@ -63,10 +63,9 @@ def exported(zoo, name: str, exporter: str, batch: int) -> Path:
     """The family's export for steps of `batch` samples: the zoo's own at its batch size, else
     the torch model exported again by the same exporter on the zoo's samples repeated
     (scikit-learn exports take any batch)."""
-    zoo.model(name, exporter)
-    path = zoo.folder / f"{name}-{exporter}.onnx"
     if batch == export_zoo.BATCH or exporter == "skl2onnx":
-        return path
+        zoo.model(name, exporter)  # writes the zoo's own export on first use
+        return zoo.folder / f"{name}-{exporter}.onnx"
     family = export_zoo.FAMILIES[name]
     path = zoo.folder / f"{name}-{exporter}.b{batch}.onnx"
     if not path.exists():
@@ -150,8 +149,8 @@ def main() -> None:
         if note:
             notes.append(f"{name} ({exporter}): {note}")
     print_table(rows, "model | exporter")
-    print(f"batch {arguments.batch} (the zoo's exports have {export_zoo.BATCH}), {arguments.rounds} rounds of {arguments.calls} calls "
-          f"per system; {run.machine()}")
+    print(f"batch {arguments.batch} (the zoo's exports have {export_zoo.BATCH}), {arguments.rounds} rounds of "
+          f"{arguments.calls} calls per system; {run.machine()}")
     for note in notes:
         print(note)
 
