@@ -188,18 +188,24 @@ def is_depthwise(x: Any, w: Any, group: int) -> bool:
     return group > 1 and w.shape[1] == 1 and summable_by_taps(x, w)
 
 
-def weights_by_tap(w: Any, kernel: Sequence[int]) -> Any:
+def weights_by_tap(w: Any) -> Any:
     """The (out_channels,) weight vector of every (kernel position, input channel) pair, one
     row each, in window_taps' order, as an array XLA must materialize.
 
     Sliced straight from w, each vector has stride prod(kernel) in memory, and the fused
-    loop of conv_by_taps gathers it for every output element it writes. The barrier keeps
-    XLA from folding the stack back into those slices or into a transposed layout, so the
-    loop reads each vector contiguously (see bench/RESULTS.md, "Design measurements").
+    loop of conv_by_taps would gather it for every output element it writes. The rows are
+    one gather of w's columns: a transpose would be laid out to fold into the loop's reads
+    again, and a slice per row is a kernel per row, each with its own launch and its own
+    compilation. The barrier keeps XLA from fusing the gather into the loop, so the loop
+    reads each vector contiguously (see bench/RESULTS.md, "Design measurements").
     """
-    rows = [w[(slice(None), channel, *position)]
-            for position in itertools.product(*(range(k) for k in kernel)) for channel in range(w.shape[1])]
-    return lax.optimization_barrier(jnp.stack(rows))
+    columns = w.reshape(w.shape[0], -1)
+    # Row (position, channel) is column channel * prod(kernel) + position of (O, C * taps).
+    order = np.arange(columns.shape[1], dtype=np.int32).reshape(w.shape[1], -1).T.reshape(-1, 1)
+    numbers = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(1,), start_index_map=(1,))
+    rows = lax.gather(columns, order, numbers, (columns.shape[0], 1), unique_indices=True,
+                      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return lax.optimization_barrier(rows)
 
 
 def sum_of_tap_products(x: Any, w: Any, window: Window, group: int) -> Any:
@@ -212,7 +218,7 @@ def sum_of_tap_products(x: Any, w: Any, window: Window, group: int) -> Any:
     first_input = (np.arange(out_channels) // (out_channels // group)) * per_group
     inputs = [None if np.array_equal(first_input + c, np.arange(x.shape[1])) else first_input + c
               for c in range(per_group)]
-    rows = weights_by_tap(w, window.kernel)
+    rows = weights_by_tap(w)
     spatial = (None,) * len(outputs)
     total = None
     for index, tap in enumerate(window_pieces(x, window, outputs, 0)):
