@@ -271,9 +271,7 @@ def test_the_taps_loop_reads_each_weight_vector_contiguously():
     """The fused loop of a taps convolution takes its weights as one (taps, out_channels) array,
     not as slices of the (O, 1, 3, 3) weights, whose vectors are strided (weights_by_tap). A
     change in XLA that folds the copy away fails here; re-measure the forward CNN then."""
-    x, w = np.ones((2, 1, 6, 6), np.float32), np.ones((5, 1, 3, 3), np.float32)
-    translated = TranslatedModel(make_model("Conv", [x, w], 17, pads=[1, 1, 1, 1]))
-    program = jax.jit(lambda a, b: translated({}, {"X0": a, "X1": b}, None)).lower(x, w).compile().as_text()
+    program = _compiled_conv(np.ones((2, 1, 6, 6), np.float32), np.ones((5, 1, 3, 3), np.float32), pads=[1, 1, 1, 1])
     loops = [body.strip() for body in program.split("\n\n") if "multiply(" in body]
     assert loops and all(re.search(r"f32\[9,5(,1)?\]", body.splitlines()[0]) for body in loops)
     assert all("f32[5,1,3,3]" not in body for body in loops)
@@ -284,14 +282,18 @@ def test_taps_weights_take_one_kernel_whatever_the_kernel_size():
     compiles the same kernels for a 3x3 as for a 7x7 window (a kernel per tap would add
     40 launches and compilations)."""
     def kernels(size):
-        x, w = np.ones((2, 4, 9, 9), np.float32), np.ones((4, 1, size, size), np.float32)
-        pad = size // 2
-        translated = TranslatedModel(make_model("Conv", [x, w], 17, group=4, pads=[pad] * 4))
-        program = jax.jit(lambda a, b: translated({}, {"X0": a, "X1": b}, None)).lower(x, w).compile().as_text()
+        program = _compiled_conv(np.ones((2, 4, 9, 9), np.float32), np.ones((4, 1, size, size), np.float32),
+                                 group=4, pads=[size // 2] * 4)
         entry = program[program.index("ENTRY"):]
         return entry.count(" fusion(") + entry.count(" concatenate(")
 
     assert kernels(7) == kernels(3) <= 3
+
+
+def _compiled_conv(x: np.ndarray, w: np.ndarray, **attributes) -> str:
+    """The compiled program (XLA's HLO text) of one Conv node on x and w."""
+    translated = TranslatedModel(make_model("Conv", [x, w], 17, **attributes))
+    return jax.jit(lambda a, b: translated({}, {"X0": a, "X1": b}, None)).lower(x, w).compile().as_text()
 
 
 def test_conv_rejects_unknown_auto_pad_and_channel_mismatch():
