@@ -8,11 +8,13 @@ float64 numpy formulas to rounding.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
 import onnxtrain
+from onnxtrain.translate.model import TranslatedModel
 from support.training_models import adagrad, adam, make_training_model, momentum, training_node, value_info
 
 X = np.array([1.0, -2.0], np.float32)
@@ -117,3 +119,41 @@ def test_omitted_attributes_equal_the_float32_schema_defaults(op_type, slots, de
     outputs = [f"out{i}" for i in range(len(slots) + 1)]
     for omitted, explicit in zip(run_optimizer(op_type, feeds, outputs), run_optimizer(op_type, feeds, outputs, **defaults)):
         assert np.array_equal(omitted, explicit)
+
+
+@pytest.mark.parametrize("op_type, slots, attributes, primitive, per_weight", [
+    ("Adam", ["V", "H"], {}, "pow", 0),  # alpha^T and beta^T, for the bias correction
+    ("Momentum", ["V"], dict(alpha=0.9, beta=0.5, norm_coefficient=0.0, mode="standard"), "gt", 0),  # T > 0
+    ("Adagrad", ["H"], {}, "div", 1),  # R / (1 + T decay) once; G / root per weight
+])
+def test_optimizers_derive_their_scalar_coefficients_once_per_node(op_type, slots, attributes, primitive,
+                                                                    per_weight):
+    """Over many weights, the coefficients that depend only on R and T are traced once, not
+    once per weight: a weight adds only its element-wise update to the program."""
+    def count(weights: int) -> int:
+        rng = np.random.default_rng(3)
+        tensors = {f"{slot}{i}": np.abs(rng.normal(size=i + 2)).astype(np.float32)
+                   for slot in ["X", "G", *slots] for i in range(weights)}
+        feeds = {**scalars(0.1, 2), **tensors}
+        outputs = [f"out{i}" for i in range(weights * (1 + len(slots)))]
+        graph = helper.make_graph(
+            [training_node(op_type, list(feeds), outputs, **attributes)], op_type,
+            [value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+             for name, value in feeds.items()],
+            [value_info(name, TensorProto.UNDEFINED) for name in outputs])
+        translated = TranslatedModel(make_training_model(graph))
+        with jax.enable_x64(True):
+            jaxpr = jax.make_jaxpr(lambda values: translated({}, values, None))(feeds)
+        return sum(str(equation.primitive) == primitive for equation in _equations(jaxpr.jaxpr))
+
+    assert count(12) - count(1) == 11 * per_weight
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of nested jaxprs (pjit, custom_vjp) included."""
+    for equation in jaxpr.eqns:
+        yield equation
+        for value in equation.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                yield from _equations(inner)

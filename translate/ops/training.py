@@ -39,28 +39,39 @@ def _unblock(updates: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
     return tuple(value for block in zip(*updates) for value in block)
 
 
-def _step_count(t: Any) -> jax.Array:
-    """T as a float64 scalar (it is an int64 tensor in the model)."""
-    return jnp.asarray(t).astype(jnp.float64).reshape(())
+def _scalar(value: Any) -> jax.Array:
+    """R, or T (an int64 tensor in the model), as a float64 scalar."""
+    return jnp.asarray(value).astype(jnp.float64).reshape(())
 
 
-def _coefficient(value: Any, like: Any) -> jax.Array:
-    """A float64 scalar cast to the dtype of the tensor it multiplies."""
-    return jnp.asarray(value, jnp.float64).astype(jnp.asarray(like).dtype)
+class _Scalars:
+    """A node's scalar coefficients, given as float64 values (constants or traced) and each
+    cast once per tensor dtype. They are the same for every tensor the node updates: casting
+    or deriving them per tensor would trace the same scalar ops once per weight, a good part
+    of tracing a whole step on a model of many weights."""
+
+    def __init__(self, **values: Any):
+        self._values = values
+        self._cast: dict[tuple[str, Any], jax.Array] = {}
+
+    def __call__(self, name: str, like: jax.Array) -> jax.Array:
+        """Coefficient `name` in the dtype of the tensor it multiplies."""
+        key = (name, like.dtype)
+        if key not in self._cast:
+            self._cast[key] = jnp.asarray(self._values[name], jnp.float64).astype(like.dtype)
+        return self._cast[key]
 
 
-def _regularized(g: jax.Array, x: jax.Array, norm: float) -> jax.Array:
+def _regularized(g: jax.Array, x: jax.Array, norm: float, scalars: _Scalars) -> jax.Array:
     """G + norm * X; with norm 0 the term is left out (XLA keeps 0 * X, since 0 * inf is NaN,
     which costs a read of every weight per step)."""
-    return g + _coefficient(norm, x) * x if norm else g
+    return g + scalars("norm", x) * x if norm else g
 
 
-def _update_all(node: Any, r: Any, t: Any, tensors: Sequence[Any], per_tensor: int,
+def _update_all(node: Any, tensors: Sequence[Any], per_tensor: int,
                 update: Callable[..., tuple[Any, ...]]) -> tuple[Any, ...]:
-    rate = jnp.asarray(r).astype(jnp.float64).reshape(())
-    step = _step_count(t)
     blocks = _blocks(node, tensors, per_tensor)
-    return _unblock([update(rate, step, *[jnp.asarray(v) for v in block]) for block in blocks])
+    return _unblock([update(*[jnp.asarray(v) for v in block]) for block in blocks])
 
 
 @op("Adagrad", since=1, domain=TRAINING_DOMAIN)
@@ -68,16 +79,16 @@ def adagrad(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     """X -= R/(1+T*decay) * G' / (sqrt(H + G'^2) + eps), H += G'^2, with G' = G + nc*X."""
     norm = float_attr(node, "norm_coefficient", 0.0)
     decay = float_attr(node, "decay_factor", 0.0)
-    epsilon = float_attr(node, "epsilon", 1e-6)
+    scalars = _Scalars(norm=norm, epsilon=float_attr(node, "epsilon", 1e-6),
+                       rate=_scalar(r) / (1.0 + _scalar(t) * decay))
 
-    def update(rate, step, x, g, h):
-        g_reg = _regularized(g, x, norm)
+    def update(x, g, h):
+        g_reg = _regularized(g, x, norm, scalars)
         h_new = h + (g_reg * g_reg).astype(h.dtype)
-        decayed_rate = _coefficient(rate / (1.0 + step * decay), x)
-        root = jnp.sqrt(h_new).astype(x.dtype) + _coefficient(epsilon, x)
-        return (x - decayed_rate * g_reg / root).astype(x.dtype), h_new
+        root = jnp.sqrt(h_new).astype(x.dtype) + scalars("epsilon", x)
+        return (x - scalars("rate", x) * g_reg / root).astype(x.dtype), h_new
 
-    return _update_all(node, r, t, tensors, 3, update)
+    return _update_all(node, tensors, 3, update)
 
 
 _MOMENTUM_MODES = ("standard", "nesterov")
@@ -88,20 +99,20 @@ def momentum(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     """V = alpha*V + beta'*G' (beta' = 1 at T == 0), with G' = G + nc*X; X -= R*V (standard)
     or X -= R*(G' + alpha*V) (nesterov)."""
     alpha = node.attr("alpha")
-    beta = node.attr("beta")
     norm = node.attr("norm_coefficient")
     mode = node.attr("mode")
     if mode not in _MOMENTUM_MODES:
         raise node.error(f"mode must be 'standard' or 'nesterov', got {mode!r}")
+    scalars = _Scalars(alpha=alpha, norm=norm, rate=_scalar(r),
+                       gradient_scale=jnp.where(_scalar(t) > 0, node.attr("beta"), 1.0))
 
-    def update(rate, step, x, g, v):
-        g_reg = _regularized(g, x, norm)
-        gradient_scale = _coefficient(jnp.where(step > 0, beta, 1.0), v)
-        v_new = (_coefficient(alpha, v) * v + gradient_scale * g_reg).astype(v.dtype)
-        direction = v_new if mode == "standard" else g_reg + _coefficient(alpha, x) * v_new
-        return (x - _coefficient(rate, x) * direction).astype(x.dtype), v_new
+    def update(x, g, v):
+        g_reg = _regularized(g, x, norm, scalars)
+        v_new = (scalars("alpha", v) * v + scalars("gradient_scale", v) * g_reg).astype(v.dtype)
+        direction = v_new if mode == "standard" else g_reg + scalars("alpha", x) * v_new
+        return (x - scalars("rate", x) * direction).astype(x.dtype), v_new
 
-    return _update_all(node, r, t, tensors, 3, update)
+    return _update_all(node, tensors, 3, update)
 
 
 @op("Adam", since=1, domain=TRAINING_DOMAIN)
@@ -110,21 +121,21 @@ def adam(node: Any, r: Any, t: Any, *tensors: Any) -> tuple[Any, ...]:
     X = (1-nc_post) * (X - R' * V / (sqrt(H) + eps)), R' bias-corrected only when T > 0."""
     alpha = float_attr(node, "alpha", 0.9)
     beta = float_attr(node, "beta", 0.999)
-    epsilon = float_attr(node, "epsilon", 1e-6)
     norm = float_attr(node, "norm_coefficient", 0.0)
-    norm_post = float_attr(node, "norm_coefficient_post", 0.0)
+    scalars = _Scalars(alpha=alpha, beta=beta, norm=norm, one_minus_alpha=1.0 - alpha,
+                       one_minus_beta=1.0 - beta, epsilon=float_attr(node, "epsilon", 1e-6),
+                       post_scale=1.0 - float_attr(node, "norm_coefficient_post", 0.0),
+                       rate=_bias_corrected_rate(_scalar(r), _scalar(t), alpha, beta))
 
-    def update(rate, step, x, g, v, h):
-        g_reg = _regularized(g, x, norm)
-        v_new = (_coefficient(alpha, v) * v + _coefficient(1.0 - alpha, v) * g_reg).astype(v.dtype)
-        h_new = (_coefficient(beta, h) * h
-                 + _coefficient(1.0 - beta, h) * g_reg * g_reg).astype(h.dtype)
-        root = jnp.sqrt(h_new).astype(x.dtype) + _coefficient(epsilon, x)
-        corrected_rate = _coefficient(_bias_corrected_rate(rate, step, alpha, beta), x)
-        x_new = x - corrected_rate * v_new.astype(x.dtype) / root
-        return (_coefficient(1.0 - norm_post, x) * x_new).astype(x.dtype), v_new, h_new
+    def update(x, g, v, h):
+        g_reg = _regularized(g, x, norm, scalars)
+        v_new = (scalars("alpha", v) * v + scalars("one_minus_alpha", v) * g_reg).astype(v.dtype)
+        h_new = (scalars("beta", h) * h + scalars("one_minus_beta", h) * g_reg * g_reg).astype(h.dtype)
+        root = jnp.sqrt(h_new).astype(x.dtype) + scalars("epsilon", x)
+        x_new = x - scalars("rate", x) * v_new.astype(x.dtype) / root
+        return (scalars("post_scale", x) * x_new).astype(x.dtype), v_new, h_new
 
-    return _update_all(node, r, t, tensors, 4, update)
+    return _update_all(node, tensors, 4, update)
 
 
 def _bias_corrected_rate(rate: jax.Array, step: jax.Array, alpha: float, beta: float) -> jax.Array:
