@@ -77,6 +77,8 @@ _COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Is
 _FILL_MAGNITUDE = 1e30
 # Zeros and one value at least this large make a two-valued additive mask.
 _MASK_MAGNITUDE = 1e3
+# Values _is_mask reads at a time: its float64 working copy stays a few megabytes.
+_BLOCK = 2**20
 
 
 @dataclass(frozen=True)
@@ -200,15 +202,20 @@ def _group_norm_identity(use: _Use, value: np.ndarray, producers: Mapping[str, N
 
 def _is_mask(value: np.ndarray) -> bool:
     """A value of magnitude _FILL_MAGNITUDE or more (or Inf/NaN) anywhere, or zeros and one
-    large value (an additive mask written with -10000 or the like)."""
-    if value.size == 0:
+    large value (an additive mask written with -10000 or the like). Read a block at a time:
+    a float64 copy of a large model's embedding would take several times its size."""
+    largest = 0.0
+    flat = value.reshape(-1)
+    for start in range(0, flat.size, _BLOCK):
+        with np.errstate(invalid="ignore"):
+            magnitude = np.abs(flat[start:start + _BLOCK].astype(np.float64))
+        if not np.all(magnitude < _FILL_MAGNITUDE):
+            return True
+        largest = max(largest, float(magnitude.max()))
+    if largest < _MASK_MAGNITUDE or not 0 < np.count_nonzero(value) < value.size:
         return False
-    with np.errstate(invalid="ignore"):
-        magnitude = np.abs(value.astype(np.float64))
-    if not np.all(magnitude < _FILL_MAGNITUDE):
-        return True
     filled = value[value != 0]
-    return 0 < filled.size < value.size and bool(np.all(filled == filled.flat[0])) and magnitude.max() >= _MASK_MAGNITUDE
+    return bool(np.all(filled == filled.flat[0]))
 
 
 def trainable_set(model: ModelProto) -> TrainableSet:

@@ -147,6 +147,13 @@ def _decay_mask(optimizer: Optimizer, weights: list[str], values: dict[str, np.n
     return [optimizer.decays(name, values[name]) for name in weights]
 
 
+def _zeros_like(weight: np.ndarray) -> np.ndarray:
+    """A zero slot shaped like `weight`. np.zeros rather than np.zeros_like: its pages are
+    mapped on first write, and a slot is only read (for its shape and dtype, and to see that
+    it is all zero), so slots the size of a large model's weights cost no memory here."""
+    return np.zeros(weight.shape, weight.dtype)
+
+
 def update_nodes(optimizer: Optimizer, weights: list[str], gradients: list[str],
                  values: dict[str, np.ndarray], fresh: Callable[[str], str]) -> Update:
     """The update part for `weights` (names of initializers in `values`) given their `gradients`.
@@ -174,7 +181,7 @@ def update_nodes(optimizer: Optimizer, weights: list[str], gradients: list[str],
     part.counters[step] = np.array(optimizer.first_step, np.int64)
     slots = {slot: [fresh(f"{name}.{slot}") for name in weights] for slot in optimizer.slots}
     for names in slots.values():
-        part.zeros.update((slot, np.zeros_like(values[name])) for slot, name in zip(names, weights))
+        part.zeros.update((slot, _zeros_like(values[name])) for slot, name in zip(names, weights))
 
     # An initializer rather than a Constant node, as before these features: the engine's update
     # tail then reads only the gradients and state (a scalar hyperparameter nobody sets).
@@ -188,7 +195,7 @@ def update_nodes(optimizer: Optimizer, weights: list[str], gradients: list[str],
         # True while the step only accumulates; the K-th step updates and restarts the count.
         waiting = w.add("Less", [counted, period], "accumulate.waiting")
         sums = [fresh(f"{name}.grad_sum") for name in weights]
-        part.zeros.update((s, np.zeros_like(values[name])) for s, name in zip(sums, weights))
+        part.zeros.update((s, _zeros_like(values[name])) for s, name in zip(sums, weights))
         totals = [w.add("Add", [s, g], f"{s}.next") for s, g in zip(sums, gradients)]
         period_float = w.add("Cast", [period], "accumulate.steps.float", to=data_type_of(_FLOAT))
         gradients = [w.add("Div", [total, w.cast(period_float, _FLOAT, dtype)], f"{total}.mean")
