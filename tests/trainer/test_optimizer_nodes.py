@@ -22,13 +22,18 @@ G = np.array([0.5, -1.5], np.float32)
 V = np.array([0.2, 0.3], np.float32)
 
 
-def run_optimizer(op_type: str, feeds: dict[str, np.ndarray], outputs: list[str], **attributes) -> list[np.ndarray]:
-    """One optimizer node fed from graph inputs, run with onnxtrain.run."""
+def optimizer_model(op_type: str, feeds: dict[str, np.ndarray], outputs: list[str], **attributes):
+    """A model of one optimizer node fed from graph inputs."""
     graph = helper.make_graph(
         [training_node(op_type, list(feeds), outputs, **attributes)], op_type,
         [value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape) for name, value in feeds.items()],
         [value_info(name, TensorProto.UNDEFINED) for name in outputs])
-    result = onnxtrain.run(make_training_model(graph), feeds)
+    return make_training_model(graph)
+
+
+def run_optimizer(op_type: str, feeds: dict[str, np.ndarray], outputs: list[str], **attributes) -> list[np.ndarray]:
+    """One optimizer node fed from graph inputs, run with onnxtrain.run."""
+    result = onnxtrain.run(optimizer_model(op_type, feeds, outputs, **attributes), feeds)
     return [np.asarray(result[name]) for name in outputs]
 
 
@@ -136,12 +141,7 @@ def test_optimizers_derive_their_scalar_coefficients_once_per_node(op_type, slot
                    for slot in ["X", "G", *slots] for i in range(weights)}
         feeds = {**scalars(0.1, 2), **tensors}
         outputs = [f"out{i}" for i in range(weights * (1 + len(slots)))]
-        graph = helper.make_graph(
-            [training_node(op_type, list(feeds), outputs, **attributes)], op_type,
-            [value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
-             for name, value in feeds.items()],
-            [value_info(name, TensorProto.UNDEFINED) for name in outputs])
-        translated = TranslatedModel(make_training_model(graph))
+        translated = TranslatedModel(optimizer_model(op_type, feeds, outputs, **attributes))
         with jax.enable_x64(True):
             jaxpr = jax.make_jaxpr(lambda values: translated({}, values, None))(feeds)
         return sum(str(equation.primitive) == primitive for equation in _equations(jaxpr.jaxpr))
