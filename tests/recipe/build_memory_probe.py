@@ -3,9 +3,9 @@
 
     python tests/recipe/build_memory_probe.py MODEL
 
-Runs in a fresh process so that the figure is the build's alone: after warming up (imports,
-a small model built once) it resets the kernel's peak-RSS mark, builds the training model
-(cross-entropy, Adam) and prints one JSON line: the peak RSS growth in bytes.
+Runs in a fresh process so that the figure is the build's alone (support.peak_memory): after
+warming up (imports, a small model built once) it builds the training model (cross-entropy,
+Adam) and prints one JSON line: the peak RSS growth in bytes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+from support.peak_memory import peak_growth
 
 
 def main(path: str) -> None:
@@ -31,12 +27,8 @@ def main(path: str) -> None:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])],
         [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")]), opset_imports=[helper.make_opsetid("", 17)])
     onnxtrain.make_training_model(warm, loss="cross_entropy")
-    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _status("VmRSS")
-    onnxtrain.make_training_model(path, loss="cross_entropy")
-    print(json.dumps({"peak_growth": _status("VmHWM") - before}))
+    growth, _ = peak_growth(lambda: onnxtrain.make_training_model(path, loss="cross_entropy"))
+    print(json.dumps({"peak_growth": growth}))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,7 @@ the torch module's named_parameters() and train by default.
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +21,7 @@ import onnxtrain
 from onnxtrain._recipe import trainable
 from onnxtrain._recipe.trainable import trainable_set
 from onnxtrain.errors import BindingError
+from support import peak_memory
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
@@ -284,7 +282,7 @@ def test_masks_are_found_whatever_block_of_the_value_holds_them(monkeypatch):
 PROBE = Path(__file__).with_name("build_memory_probe.py")
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+@pytest.mark.skipif(not peak_memory.AVAILABLE, reason="needs Linux's peak-RSS reset")
 def test_building_a_training_model_holds_few_copies_of_a_large_weight(tmp_path):
     """A model of one 64 MiB weight: building its training model (Adam) grows peak memory by
     less than 4.5 times the weight (3 here: the file's bytes, the parsed model and the weight
@@ -294,7 +292,5 @@ def test_building_a_training_model_holds_few_copies_of_a_large_weight(tmp_path):
     path = tmp_path / "big.onnx"
     onnx.save(_model([helper.make_node("MatMul", ["x", "W"], ["y"])], {"W": weight}, inputs=(("x", [2, 4096]),)),
               path)
-    result = subprocess.run([sys.executable, str(PROBE), str(path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    growth = json.loads(result.stdout.strip().splitlines()[-1])["peak_growth"]
+    growth = peak_memory.run_probe(PROBE, str(path))["peak_growth"]
     assert growth < 4.5 * weight.nbytes, f"peak grew by {growth / weight.nbytes:.1f} times the weight"

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import struct
-import subprocess
-import sys
 import tempfile
 import zipfile
 import zlib
@@ -28,6 +26,7 @@ from hypothesis import strategies as st
 from onnxtrain import ModelLoadError
 from onnxtrain.state import checkpoint
 from onnxtrain.state.checkpoint import load_checkpoint, parse_manifest, save_checkpoint
+from support import peak_memory
 
 PROBE = Path(__file__).with_name("checkpoint_memory_probe.py")
 W = np.arange(8, dtype=np.float32)
@@ -348,12 +347,6 @@ def _bomb(path: Path, stream: bytes, file_size: int, crc: int) -> Path:
     return _write(path, manifest, [bomb] + [Entry(n, d) for n, d in entries.items() if n != "arrays/0.bin"])
 
 
-def _probe(path: Path) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, str(PROBE), str(path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow  # starts processes, deflates half a gigabyte
 @pytest.mark.parametrize("recorded", ["inflated size", "declared size, true crc", "declared size, wrong crc"])
 def test_zip_bombs_cost_at_most_their_declared_size(tmp_path, bomb_stream, recorded):
@@ -365,7 +358,7 @@ def test_zip_bombs_cost_at_most_their_declared_size(tmp_path, bomb_stream, recor
         crc ^= 1
     path = _bomb(tmp_path / "bomb.ckpt", stream, file_size, crc)
     assert path.stat().st_size < 3 << 20
-    report = _probe(path)
+    report = peak_memory.run_probe(PROBE, str(path))
     assert report["peak_growth"] < LIMIT, report
     if recorded == "declared size, true crc":
         assert report["error"] is None and report["loaded"] == {"W": [DECLARED // 4], "V": [2, 3]}

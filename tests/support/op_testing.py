@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -73,3 +73,14 @@ def finite_difference(f: Callable[[np.ndarray], float], x: np.ndarray, eps: floa
         step[index] = eps
         grad[index] = (f(x + step) - f(x - step)) / (2 * eps)
     return grad
+
+
+def jaxpr_equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of a jaxpr, those of the jaxprs nested in its equations (pjit,
+    custom_vjp, ...) included."""
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from jaxpr_equations(inner)

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 import onnxtrain
 from onnxtrain.translate.model import TranslatedModel
+from support.op_testing import jaxpr_equations
 from support.training_models import adagrad, adam, make_training_model, momentum, training_node, value_info
 
 X = np.array([1.0, -2.0], np.float32)
@@ -144,16 +145,6 @@ def test_optimizers_derive_their_scalar_coefficients_once_per_node(op_type, slot
         translated = TranslatedModel(optimizer_model(op_type, feeds, outputs, **attributes))
         with jax.enable_x64(True):
             jaxpr = jax.make_jaxpr(lambda values: translated({}, values, None))(feeds)
-        return sum(str(equation.primitive) == primitive for equation in _equations(jaxpr.jaxpr))
+        return sum(str(equation.primitive) == primitive for equation in jaxpr_equations(jaxpr.jaxpr))
 
     assert count(12) - count(1) == 11 * per_weight
-
-
-def _equations(jaxpr):
-    """Every equation of a jaxpr, those of nested jaxprs (pjit, custom_vjp) included."""
-    for equation in jaxpr.eqns:
-        yield equation
-        for value in equation.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                yield from _equations(inner)

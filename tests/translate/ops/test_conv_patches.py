@@ -17,7 +17,7 @@ import onnx
 import pytest
 
 from onnxtrain.translate.ops.conv_pool import PATCHES_LIMIT, WIDE_PAIRS, WIDE_PATCHES_LIMIT
-from support.op_testing import finite_difference, single_op_feeds, single_op_model, translate
+from support.op_testing import finite_difference, jaxpr_equations, single_op_feeds, single_op_model, translate
 
 CASES = {
     # ResNet-18's last stage on a 64x64 image: 3x3, pads 1, on 2x2.
@@ -139,21 +139,11 @@ def test_derivatives_leave_out_kernel_positions_reading_only_padding():
 def _contracted(jaxpr) -> list[int]:
     """The contracted size of every matrix product in a jaxpr."""
     sizes = []
-    for equation in _equations(jaxpr.jaxpr):
+    for equation in jaxpr_equations(jaxpr.jaxpr):
         if equation.primitive.name == "dot_general":
             (axes, _), _ = equation.params["dimension_numbers"]
             sizes.append(math.prod(equation.invars[0].aval.shape[axis] for axis in axes))
     return sizes
-
-
-def _equations(jaxpr):
-    """Every equation of a jaxpr, those of the jaxprs nested in its equations included."""
-    for equation in jaxpr.eqns:
-        yield equation
-        for param in equation.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _equations(inner)
 
 
 @pytest.mark.slow
