@@ -1,11 +1,14 @@
-"""Gradients laid out the way the state that consumes them is.
+"""Values pinned to XLA's row-major layout where XLA:CPU's own choice reads them slowly.
 
-XLA:CPU's convolution writes a kernel's gradient as (in, h, w, out) in memory, and XLA
-folds the move to the kernel's (out, in, h, w) order into every consumer: Adam's two moment
-updates then each read the gradient across the grain. Pinning the gradient to the default
-row-major layout makes XLA transpose it once instead, which shortens the training steps of
-convolutional models (see bench/RESULTS.md, "Design measurements"). A gradient already
-row-major, such as a matrix product's, is unchanged.
+- Gradients, laid out the way the state that consumes them is. XLA:CPU's convolution writes
+  a kernel's gradient as (in, h, w, out) in memory, and XLA folds the move to the kernel's
+  (out, in, h, w) order into every consumer: Adam's two moment updates then each read the
+  gradient across the grain. Pinning the gradient makes XLA transpose it once instead, which
+  shortens the training steps of convolutional models (see bench/RESULTS.md, "Design
+  measurements"). A gradient already row-major, such as a matrix product's, is unchanged.
+- Gemm's left operand when B is transposed (see ops.math.gemm): a transpose folded into
+  that product would leave both of its operands transposed, a form XLA:CPU runs on a slow
+  fallback kernel.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from onnxtrain.translate.layouts import row_major
 from onnxtrain.translate.node import Node
 from onnxtrain.translate.registry import op
 
@@ -39,6 +40,10 @@ def gemm(node: Node, a: ArrayLike, b: ArrayLike, c: ArrayLike | None = None) -> 
         a = jnp.transpose(a)
     if node.attr("transB", 0):
         b = jnp.transpose(b)
+        # XLA:CPU may fold a transpose made by A's producer (a classifier head after a
+        # global pool) into the product, and a product of two transposed operands runs on
+        # a slow fallback kernel: A' is handed over row-major.
+        a = row_major(a)
     product = scaled(jnp.matmul(a, b, precision=PRECISION), node.attr("alpha", 1.0))
     if c is None:
         return product
