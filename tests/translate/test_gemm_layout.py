@@ -8,7 +8,7 @@ and its right operand along the last. YNNPACK does not take that form and XLA's 
 kernel for it is many times slower (bench/RESULTS.md, "The classifier head's product").
 
 Oracle: in the optimized HLO of the forward pass and of the training step, no product has
-that form; the forward pass equals numpy's.
+that form; the forward pass and the step's loss equal numpy's.
 """
 
 from __future__ import annotations
