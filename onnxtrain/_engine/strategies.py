@@ -35,10 +35,10 @@ from onnxtrain._engine.update_tail import UpdateTail
 from onnxtrain.state.memory import device_zeros
 from onnxtrain.state.store import StateStore
 
-# Below this many bytes of bound state an unchecked step updates in place: its time is
-# dispatch more than memory, and spare buffers are as many more arguments to pass. On larger
-# states of some models, the copies XLA makes of the weights the backward pass reads before
-# overwriting them cost more (bench/RESULTS.md, "Updating in place up to 16 MiB").
+# Below this many bytes of bound state an unchecked step updates in place: the copies XLA
+# makes of the weights the backward pass reads before overwriting them cost less than spare
+# buffers, one more argument per updated value every call. On larger states of some models
+# they cost more (bench/RESULTS.md, "Updating in place up to 16 MiB").
 SMALL_STATE_BYTES = 16 * 2**20
 # From here checked steps wait for each step's flag instead of running ahead: selecting
 # old-or-new on the device is one more pass over the state.
