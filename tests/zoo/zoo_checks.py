@@ -47,8 +47,11 @@ ZERO_GRADIENT = 1e-6  # below this fraction of the model's largest gradient, one
 # model is exact to FLOAT64_TOLERANCE and the float32 error stays under ROUNDING_CEILING: how
 # far float32 lands from float64 there depends on the summation order of every kernel (torch's
 # own float32 gradients move several-fold between its default, channels_last and one-thread
-# runs), so no ratio to one torch run is a stable bound.
-FLOAT64_TOLERANCE = 1e-8
+# runs), so no ratio to one torch run is a stable bound. The float64 model is exact only to
+# about float32's precision where float attributes enter the gradients, since ONNX stores
+# them as float32 (BatchNorm's epsilon and HardSigmoid's alpha in MobileNetV3; see
+# bench/RESULTS.md, "BatchNorm's sums in one pass").
+FLOAT64_TOLERANCE = 1e-7
 ROUNDING_CEILING = 1e-4
 EXPORT_TOLERANCE = 1e-4
 STEPS = 10

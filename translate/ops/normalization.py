@@ -169,12 +169,59 @@ def _batch_axes(x: jax.Array, spatial: bool) -> tuple[int, ...]:
     return (0,) + tuple(range(2, x.ndim)) if spatial else (0,)
 
 
+def _accumulator(dtype: DTypeLike) -> np.dtype:
+    """float64 where the trace allows it, else `dtype`: batch sums run over many values, and
+    this is how torch's CPU kernels keep batch statistics and their gradients accurate."""
+    return jnp.promote_types(dtype, jax.dtypes.canonicalize_dtype(np.float64))
+
+
 def _accumulated_sum(v: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """sum(v) over `axes` (kept as size-1 dims) with a float64 accumulator where the trace
-    allows one, rounded back to v's dtype: batch sums run over many values, and this is how
-    torch's CPU kernels keep batch statistics and their gradients accurate."""
-    wide = jnp.promote_types(v.dtype, jax.dtypes.canonicalize_dtype(np.float64))
-    return jnp.sum(v, axis=axes, keepdims=True, dtype=wide).astype(v.dtype)
+    """sum(v) over `axes` (kept as size-1 dims) in _accumulator's type, rounded back to v's dtype."""
+    return jnp.sum(v, axis=axes, keepdims=True, dtype=_accumulator(v.dtype)).astype(v.dtype)
+
+
+# From this many summed positions per channel, BatchNorm's statistics and its backward's two
+# sums each take one pass over the batch: one reduction with two results, which reads each
+# position once for both and fuses the products it sums, where XLA:CPU's library reductions
+# read each operand separately, from copies transposed for the library. Over fewer positions
+# (the 2x2 and 1x1 maps of a ResNet's last stages on small images) separate reductions made
+# whole training steps faster (see bench/RESULTS.md, "BatchNorm's sums in one pass").
+ONE_PASS_POSITIONS = 64
+
+
+def _one_pass(x: jax.Array, axes: tuple[int, ...]) -> bool:
+    return math.prod(x.shape[axis] for axis in axes) >= ONE_PASS_POSITIONS
+
+
+def _wide_sums(a: jax.Array, b: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """sum(a) and sum(b) over `axes` (kept as size-1 dims) in _accumulator's type, in one pass."""
+    wide = _accumulator(a.dtype)
+    zero = np.zeros((), wide)
+    sums = lax.reduce((a.astype(wide), b.astype(wide)), (zero, zero),
+                      lambda x, y: (x[0] + y[0], x[1] + y[1]), axes)
+    return jnp.expand_dims(sums[0], axes), jnp.expand_dims(sums[1], axes)
+
+
+def _batch_statistics(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The batch's mean and population variance over `axes` (kept as size-1 dims), in x's dtype.
+
+    Two passes (the mean, then the squares of x minus it), unless x is narrower than its
+    accumulator and one pass pays (_one_pass): then the accumulator's sums of d and d * d,
+    d = x minus the channel's first sample. Shifting by a value among the data keeps
+    E[d^2] - E[d]^2 from cancelling the way E[x^2] - E[x]^2 would on a large mean."""
+    count = math.prod(x.shape[axis] for axis in axes)
+    wide = _accumulator(x.dtype)
+    if not _one_pass(x, axes) or np.dtype(wide).itemsize <= np.dtype(x.dtype).itemsize:
+        mean = _accumulated_sum(x, axes) / count
+        centered = x - mean
+        return mean, _accumulated_sum(centered * centered, axes) / count
+    shift = lax.slice(x, [0] * x.ndim, [1 if axis in axes else size for axis, size in enumerate(x.shape)])
+    shift = shift.astype(wide)
+    d = x.astype(wide) - shift
+    first, second = _wide_sums(d, d * d, axes)
+    mean = first / count
+    var = jnp.maximum(second / count - mean * mean, 0)
+    return (shift + mean).astype(x.dtype), var.astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -191,12 +238,9 @@ def _normalize_batch(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: f
 
 def _normalize_batch_forward(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float,
                              axes: tuple[int, ...]) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    count = math.prod(x.shape[axis] for axis in axes)
-    mean = _accumulated_sum(x, axes) / count
-    centered = x - mean
-    var = _accumulated_sum(centered * centered, axes) / count
+    mean, var = _batch_statistics(x, axes)
     inv_std_dev = 1 / jnp.sqrt(var + epsilon)
-    y = centered * inv_std_dev * scale + bias
+    y = (x - mean) * inv_std_dev * scale + bias
     return (y, mean, var), (x, mean, inv_std_dev, scale)
 
 
@@ -207,8 +251,10 @@ def _normalize_batch_backward(epsilon: float, axes: tuple[int, ...], residuals: 
     count = math.prod(x.shape[axis] for axis in axes)
     centered = x - mean
     normalized = centered * inv_std_dev
-    d_bias = _accumulated_sum(d_y, axes)
-    d_scale = _accumulated_sum(d_y * normalized, axes)
+    if _one_pass(x, axes):
+        d_bias, d_scale = (total.astype(d_y.dtype) for total in _wide_sums(d_y, d_y * normalized, axes))
+    else:
+        d_bias, d_scale = _accumulated_sum(d_y, axes), _accumulated_sum(d_y * normalized, axes)
     d_x = (scale * inv_std_dev) * (d_y - (d_bias + normalized * d_scale) / count)
     # The mean and variance are outputs too (running statistics, the op's optional outputs).
     d_x = d_x + (d_mean + 2 * d_var * centered) / count
