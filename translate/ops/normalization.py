@@ -180,16 +180,18 @@ def _accumulated_sum(v: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.sum(v, axis=axes, keepdims=True, dtype=_accumulator(v.dtype)).astype(v.dtype)
 
 
-# From this many summed positions per channel, BatchNorm's statistics and its backward's two
-# sums each take one pass over the batch: one reduction with two results, which reads each
-# position once for both and fuses the products it sums, where XLA:CPU's library reductions
-# read each operand separately, from copies transposed for the library. Over fewer positions
-# (the 2x2 and 1x1 maps of a ResNet's last stages on small images) separate reductions made
-# whole training steps faster (see bench/RESULTS.md, "BatchNorm's sums in one pass").
+# From this many summed positions per channel, BatchNorm's backward takes its two sums in one
+# pass over the batch, and so do its statistics where x is narrower than their accumulator:
+# one reduction with two results, which reads each position once for both and fuses the
+# products it sums, where XLA:CPU's library reductions read each operand separately, from
+# copies transposed for the library. Over fewer positions (the 2x2 and 1x1 maps of a ResNet's
+# last stages on small images) separate reductions made whole training steps faster (see
+# bench/RESULTS.md, "BatchNorm's sums in one pass").
 ONE_PASS_POSITIONS = 64
 
 
 def _one_pass(x: jax.Array, axes: tuple[int, ...]) -> bool:
+    """Whether sums of x over `axes` add up ONE_PASS_POSITIONS positions or more."""
     return math.prod(x.shape[axis] for axis in axes) >= ONE_PASS_POSITIONS
 
 
