@@ -190,11 +190,6 @@ def _accumulated_sum(v: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 ONE_PASS_POSITIONS = 64
 
 
-def _one_pass(x: jax.Array, axes: tuple[int, ...]) -> bool:
-    """Whether sums of x over `axes` add up ONE_PASS_POSITIONS positions or more."""
-    return math.prod(x.shape[axis] for axis in axes) >= ONE_PASS_POSITIONS
-
-
 def _wide_sums(a: jax.Array, b: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """sum(a) and sum(b) over `axes` (kept as size-1 dims) in _accumulator's type, in one pass."""
     wide = _accumulator(a.dtype)
@@ -208,17 +203,17 @@ def _batch_statistics(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, j
     """The batch's mean and population variance over `axes` (kept as size-1 dims), in x's dtype.
 
     Two passes (the mean, then the squares of x minus it), unless x is narrower than its
-    accumulator and one pass pays (_one_pass): then the accumulator's sums of d and d * d,
-    d = x minus the channel's first sample. Shifting by a value among the data keeps
+    accumulator and one pass pays (ONE_PASS_POSITIONS): then the accumulator's sums of d
+    and d * d, d = x minus the channel's first sample. Shifting by a value among the data keeps
     E[d^2] - E[d]^2 from cancelling the way E[x^2] - E[x]^2 would on a large mean."""
     count = math.prod(x.shape[axis] for axis in axes)
     wide = _accumulator(x.dtype)
-    if not _one_pass(x, axes) or np.dtype(wide).itemsize <= np.dtype(x.dtype).itemsize:
+    if count < ONE_PASS_POSITIONS or np.dtype(wide).itemsize <= np.dtype(x.dtype).itemsize:
         mean = _accumulated_sum(x, axes) / count
         centered = x - mean
         return mean, _accumulated_sum(centered * centered, axes) / count
-    shift = lax.slice(x, [0] * x.ndim, [1 if axis in axes else size for axis, size in enumerate(x.shape)])
-    shift = shift.astype(wide)
+    first_sample = [1 if axis in axes else size for axis, size in enumerate(x.shape)]
+    shift = lax.slice(x, [0] * x.ndim, first_sample).astype(wide)
     d = x.astype(wide) - shift
     first, second = _wide_sums(d, d * d, axes)
     mean = first / count
@@ -253,7 +248,7 @@ def _normalize_batch_backward(epsilon: float, axes: tuple[int, ...], residuals: 
     count = math.prod(x.shape[axis] for axis in axes)
     centered = x - mean
     normalized = centered * inv_std_dev
-    if _one_pass(x, axes):
+    if count >= ONE_PASS_POSITIONS:
         d_bias, d_scale = (total.astype(d_y.dtype) for total in _wide_sums(d_y, d_y * normalized, axes))
     else:
         d_bias, d_scale = _accumulated_sum(d_y, axes), _accumulated_sum(d_y * normalized, axes)
