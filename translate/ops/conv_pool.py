@@ -320,8 +320,12 @@ def patches_product(x: Any, w: Any, window: Window, group: int, offsets: Sequenc
     # (taps, N, C, *outputs) -> (taps, N, group, C per group, positions)
     patches = jnp.stack([pieces[tap] for tap in taps]).reshape(-1, batch, group, per_group, math.prod(outputs))
     weights = _kernel_at(w, offsets).reshape(group, out_channels // group, per_group, -1)
-    y = jnp.einsum("kngcp,gock->ngop", patches, weights, precision=lax.Precision.HIGHEST)
-    return y.reshape(batch, out_channels, *outputs)
+    # The product jnp.einsum("kngcp,gock->ngop") makes, written out: einsum's own tracing
+    # (parsing its spec, planning the contraction) costs more than the product's, and a
+    # network traces this three times per layer (the value and both derivatives).
+    y = lax.dot_general(weights, patches, (((2, 3), (3, 0)), ((0,), (2,))), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=patches.dtype)
+    return jnp.transpose(y, (2, 0, 1, 3)).reshape(batch, out_channels, *outputs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
