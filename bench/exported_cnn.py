@@ -38,7 +38,7 @@ from paired import first_steps, paired, print_table, ratio, torch_compiled_step,
 import onnxtrain  # noqa: E402
 
 MODELS = ("resnet18", "regnet_y_400mf", "convnext_tiny", "mobilenet_v3_large", "efficientnet_b0",
-          "shufflenet_v2_x1_0", "squeezenet1_1")
+          "shufflenet_v2_x1_0", "squeezenet1_1", "resnext50_32x4d")
 CLASSES = 1000
 
 

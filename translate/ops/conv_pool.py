@@ -266,6 +266,12 @@ conv_by_taps.defjvp(conv_by_taps_jvp, symbolic_zeros=True)
 # too; one matrix product over the windows' elements beats it up to here (see
 # bench/RESULTS.md, "Exported CNNs: slow paths (issue 36)").
 PATCHES_LIMIT = 64
+# Grouped layers go to conv_by_patches on maps of any size, as long as their patches take at
+# most this many bytes: XLA:CPU's grouped convolution, with its gradients, was slower than
+# the products on every layer measured, but the patches copy the input once per kernel
+# position, which a long 1-D kernel (Wav2Vec2's positional convolution) makes too large to
+# hold (see bench/RESULTS.md, "Grouped convolutions as products").
+GROUPED_PATCHES_BYTES = 1 << 28
 # A wide layer (one group, a kernel of 3x3 or more, at least WIDE_PAIRS (input channel, kernel
 # position) pairs) goes to conv_by_patches on at most WIDE_PATCHES_LIMIT positions: its patches
 # copy every input value once per kernel position, which costs more than XLA's convolution
@@ -276,10 +282,15 @@ WIDE_PAIRS = 128
 
 
 def uses_patches(x: Any, w: Any, window: Window, group: int) -> bool:
+    if not summable_by_taps(x, w):
+        return False
     taps = math.prod(window.kernel)
-    wide = group == 1 and taps >= 9 and w.shape[1] * taps >= WIDE_PAIRS
-    limit = WIDE_PATCHES_LIMIT if wide else PATCHES_LIMIT
-    return summable_by_taps(x, w) and math.prod(window.output_sizes(x.shape[2:])) <= limit
+    positions = math.prod(window.output_sizes(x.shape[2:]))
+    if group > 1:
+        patches = taps * x.shape[0] * x.shape[1] * positions * jnp.result_type(x).itemsize
+        return positions <= PATCHES_LIMIT or patches <= GROUPED_PATCHES_BYTES
+    wide = taps >= 9 and w.shape[1] * taps >= WIDE_PAIRS
+    return positions <= (WIDE_PATCHES_LIMIT if wide else PATCHES_LIMIT)
 
 
 def reaching_offsets(window: Window, sizes: Sequence[int], outputs: Sequence[int]) -> list[np.ndarray]:

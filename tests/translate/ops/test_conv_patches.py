@@ -1,8 +1,9 @@
-"""Convolutions with few output positions run as one matrix product (conv_by_patches).
+"""Convolutions with few output positions, and grouped ones, run as one matrix product
+(conv_by_patches).
 
 XLA:CPU's own convolution is slow there: on a feature map smaller than the kernel (ResNet's
 last stage on a 64x64 image) it swaps the operands into a convolution with a reversed
-kernel. Oracles: onnxruntime for values, central finite differences in float64 for
+kernel, and its grouped convolution's gradients are slow on maps of every size. Oracles: onnxruntime for values, central finite differences in float64 for
 gradients, the compiled HLO for the lowering.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxtrain.translate.ops.conv_pool import PATCHES_LIMIT, WIDE_PAIRS, WIDE_PATCHES_LIMIT
+from onnxtrain.translate.ops.conv_pool import GROUPED_PATCHES_BYTES, PATCHES_LIMIT, WIDE_PAIRS, WIDE_PATCHES_LIMIT
 from support.op_testing import finite_difference, jaxpr_equations, single_op_feeds, single_op_model, translate
 
 CASES = {
@@ -26,6 +27,9 @@ CASES = {
     "1x1-strided": ((2, 8, 4, 4), (12, 8, 1, 1), dict(strides=[2, 2])),
     "grouped-dilated": ((1, 8, 5, 6), (6, 4, 2, 3), dict(group=2, dilations=[2, 1], pads=[1, 0, 0, 2])),
     "regnet-groups": ((2, 32, 3, 3), (32, 8, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    # Grouped layers past PATCHES_LIMIT's 64 output positions.
+    "grouped-large-map": ((2, 16, 12, 12), (16, 4, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    "grouped-strided-1-d": ((1, 6, 81), (6, 2, 5), dict(group=3, strides=[1], pads=[2, 2])),
     "same-upper": ((1, 4, 5, 5), (3, 4, 4, 2), dict(auto_pad="SAME_UPPER", strides=[2, 1])),
     "1-d": ((3, 4, 9), (5, 4, 3), dict(strides=[2], pads=[1, 2])),
     "3-d": ((1, 3, 3, 4, 2), (4, 3, 2, 3, 2), dict(pads=[0, 1, 1, 1, 0, 0])),
@@ -67,7 +71,7 @@ def test_small_convolutions_match_onnxruntime_without_a_convolution_op(case):
 
 
 @pytest.mark.parametrize("case", ["smaller-than-kernel", "grouped-dilated", "same-upper", "1-d", "3-d", "map-of-one",
-                                  "gapped"])
+                                  "gapped", "grouped-strided-1-d"])
 @pytest.mark.parametrize("wrt", [0, 1, 2], ids=["input", "weights", "bias"])
 @pytest.mark.slow
 def test_small_convolution_gradients_match_finite_differences(case, wrt):
@@ -118,6 +122,47 @@ def test_wide_layers_use_products_on_smaller_maps_only():
     assert " convolution(" not in _program([np.ones((2, 32, 6, 6), np.float32), grouped], group=2, **pads)
     pointwise = np.ones((4, 256, 1, 1), np.float32)
     assert " convolution(" not in _program([np.ones((2, 256, 6, 6), np.float32), pointwise])
+
+
+def test_grouped_layers_use_products_on_maps_of_any_size_within_a_memory_bound():
+    """A grouped 3x3 layer on a 32x32 map (1024 output positions) runs as a product; one whose
+    patches (kernel positions x input) would pass GROUPED_PATCHES_BYTES, or in half
+    precision, on XLA's grouped convolution."""
+    assert GROUPED_PATCHES_BYTES == 1 << 28
+    grouped = np.ones((16, 4, 3, 3), np.float32)
+    large_map = [np.ones((2, 16, 32, 32), np.float32), grouped]
+    assert " convolution(" not in _program(large_map, group=4, pads=[1, 1, 1, 1])
+    assert " convolution(" in _program([a.astype(np.float16) for a in large_map], group=4, pads=[1, 1, 1, 1])
+    # 128 kernel positions x (1, 64, 8193) float32 inputs: 268 MB of patches, just past the bound.
+    long_kernel = [np.ones((1, 64, 8193), np.float32), np.ones((64, 4, 128), np.float32)]
+    assert 128 * 64 * 8193 * 4 > GROUPED_PATCHES_BYTES > 128 * 64 * 8000 * 4
+    assert " convolution(" in _program(long_kernel, group=16, pads=[64, 63])
+    shorter = [np.ones((1, 64, 8000), np.float32), long_kernel[1]]
+    assert " convolution(" not in _program(shorter, group=16, pads=[64, 63])
+
+
+@pytest.mark.parametrize("strides", [1, 2])
+@pytest.mark.slow
+def test_grouped_layer_gradients_on_a_large_map_match_torch_autograd(strides):
+    """RegNet's grouped bottleneck layer (8 channels per group, 3x3) on a 16x16 map, as one
+    product: value and gradients against torch's grouped convolution in float64."""
+    torch = pytest.importorskip("torch")
+    x, w, b = _arrays((2, 24, 16, 16), (24, 8, 3, 3), np.float64, strides)
+    attributes = dict(group=3, strides=[strides, strides], pads=[1, 1, 1, 1])
+    with jax.enable_x64(True):
+        fn = translate(single_op_model("Conv", [x, w, b], 22, **attributes))
+
+        def loss(x, w, b):
+            return jnp.sum(jnp.tanh(fn.apply(fn.params, {"X0": x, "X1": w, "X2": b})["Y0"]))
+
+        value, gradients = jax.value_and_grad(loss, (0, 1, 2))(x, w, b)
+        assert " convolution(" not in jax.jit(loss).lower(x, w, b).compile().as_text()
+    tensors = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    expected = torch.tanh(torch.nn.functional.conv2d(*tensors, stride=strides, padding=1, groups=3)).sum()
+    expected.backward()
+    np.testing.assert_allclose(float(value), expected.item(), rtol=1e-12)
+    for actual, tensor in zip(gradients, tensors):
+        np.testing.assert_allclose(np.asarray(actual), tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
 def test_derivatives_leave_out_kernel_positions_reading_only_padding():
