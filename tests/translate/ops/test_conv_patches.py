@@ -3,7 +3,8 @@
 
 XLA:CPU's own convolution is slow there: on a feature map smaller than the kernel (ResNet's
 last stage on a 64x64 image) it swaps the operands into a convolution with a reversed
-kernel, and its grouped convolution's gradients are slow on maps of every size. Oracles: onnxruntime for values, central finite differences in float64 for
+kernel, and its grouped convolution's gradients are slow on maps of every size. Oracles:
+onnxruntime for values, central finite differences in float64 and torch autograd for
 gradients, the compiled HLO for the lowering.
 """
 
