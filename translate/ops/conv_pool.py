@@ -323,20 +323,23 @@ def patches_product(x: Any, w: Any, window: Window, group: int, offsets: Sequenc
     (input channel x kernel position, the positions at `offsets` per kernel axis only) and
     the weights there."""
     outputs = window.output_sizes(x.shape[2:])
-    batch, out_channels, per_group = x.shape[0], w.shape[0], w.shape[1]
+    batch, out_channels = x.shape[0], w.shape[0]
     if not all(len(kept) for kept in offsets):  # every window lies in the padding
         return jnp.zeros((batch, out_channels, *outputs), jnp.result_type(x, w))
     taps = np.ravel_multi_index(np.meshgrid(*offsets, indexing="ij"), window.kernel).ravel()
-    pieces = window_pieces(x, window, outputs, 0)
-    # (taps, N, C, *outputs) -> (taps, N, group, C per group, positions)
-    patches = jnp.stack([pieces[tap] for tap in taps]).reshape(-1, batch, group, per_group, math.prod(outputs))
-    weights = _kernel_at(w, offsets).reshape(group, out_channels // group, per_group, -1)
-    # The product jnp.einsum("kngcp,gock->ngop") makes, written out: einsum's own tracing
+    # Slicing the input with its channels in front stacks the pieces straight into the
+    # product's operand, (group, C per group x taps, N x positions): the product then reads
+    # both operands as they lie instead of XLA copying the patches into its own layout.
+    pieces = window_pieces(jnp.swapaxes(x, 0, 1), window, outputs, 0)
+    patches = jnp.stack([pieces[tap] for tap in taps], axis=1).reshape(group, -1, batch * math.prod(outputs))
+    weights = _kernel_at(w, offsets).reshape(group, out_channels // group, -1)
+    # The product jnp.einsum("gok,gkp->gop") makes, written out: einsum's own tracing
     # (parsing its spec, planning the contraction) costs more than the product's, and a
     # network traces this three times per layer (the value and both derivatives).
-    y = lax.dot_general(weights, patches, (((2, 3), (3, 0)), ((0,), (2,))), precision=lax.Precision.HIGHEST,
+    y = lax.dot_general(weights, patches, (((2,), (1,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
                         preferred_element_type=patches.dtype)
-    return jnp.transpose(y, (2, 0, 1, 3)).reshape(batch, out_channels, *outputs)
+    y = y.reshape(group, out_channels // group, batch, *outputs)
+    return jnp.moveaxis(y, 2, 0).reshape(batch, out_channels, *outputs)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
