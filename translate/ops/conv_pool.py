@@ -363,6 +363,31 @@ def conv_by_patches_jvp(window: Window, group: int, primals: tuple, tangents: tu
 conv_by_patches.defjvp(conv_by_patches_jvp, symbolic_zeros=True)
 
 
+def uses_product_gradients(x: Any, w: Any, window: Window) -> bool:
+    """1x1 layers past the patches limits keep the library convolution for their value and
+    take products for their derivatives (conv_with_product_gradients)."""
+    return summable_by_taps(x, w) and math.prod(window.kernel) == 1
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def conv_with_product_gradients(x: Any, w: Any, window: Window, group: int) -> Any:
+    """The library convolution, whose derivatives are patches products. A 1x1 layer's patches
+    are its input, channels first: the gradients' products need none of the transposes
+    XLA:CPU puts around its channel-last convolution's two gradients. The value stays on the
+    library's kernel, which was the faster forward pass on some exports (see
+    bench/RESULTS.md, "1x1 layers' gradients as products")."""
+    return library_conv(x, w, window, group)
+
+
+def conv_with_product_gradients_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
+    offsets = [np.arange(size) for size in window.kernel]
+    return bilinear_jvp(conv_with_product_gradients(*primals, window, group),
+                        lambda x, w: patches_product(x, w, window, group, offsets), primals, tangents)
+
+
+conv_with_product_gradients.defjvp(conv_with_product_gradients_jvp, symbolic_zeros=True)
+
+
 # A depthwise convolution (every output channel reads its own input channel) as a bilinear
 # primitive: its forward is sum_of_tap_products, its input gradient the same primitive on
 # the spread-out cotangent, its weight gradient one pass over input and cotangent that sums
@@ -452,7 +477,9 @@ def conv(node: Any, x: Any, w: Any, b: Any = None) -> Any:
         y = depthwise_conv(x if multiplier == 1 else jnp.repeat(x, multiplier, axis=1), w, window)
     else:
         lowering = (conv_by_taps if uses_taps(x, w, window)
-                    else conv_by_patches if uses_patches(x, w, window, group) else library_conv)
+                    else conv_by_patches if uses_patches(x, w, window, group)
+                    else conv_with_product_gradients if uses_product_gradients(x, w, window)
+                    else library_conv)
         y = lowering(x, w, window, group)
     return y if b is None else y + bias_shaped(b, rank)
 

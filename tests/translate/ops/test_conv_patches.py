@@ -205,3 +205,30 @@ def test_the_training_step_of_a_last_stage_has_no_swapped_convolution():
     program = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(w, b, x).compile().as_text()
     assert " convolution(" not in program and " reverse(" not in program
     assert " dot(" in program
+
+
+@pytest.mark.parametrize("case", ["plain", "strided", "padded"])
+@pytest.mark.slow
+def test_pointwise_layer_gradients_on_a_large_map_are_products_matching_torch_autograd(case):
+    """A 1x1 layer on a 20x20 map (past PATCHES_LIMIT) keeps XLA's convolution for its value
+    and takes products for both gradients: value and gradients against torch in float64."""
+    torch = pytest.importorskip("torch")
+    strides, pads = {"plain": (1, 0), "strided": (2, 0), "padded": (1, 1)}[case]
+    x, w, b = _arrays((2, 16, 20, 20), (24, 16, 1, 1), np.float64, len(case))
+    attributes = dict(strides=[strides, strides], pads=[pads] * 4)
+    with jax.enable_x64(True):
+        fn = translate(single_op_model("Conv", [x, w, b], 22, **attributes))
+
+        def loss(x, w, b):
+            return jnp.sum(jnp.tanh(fn.apply(fn.params, {"X0": x, "X1": w, "X2": b})["Y0"]))
+
+        value, gradients = jax.value_and_grad(loss, (0, 1, 2))(x, w, b)
+        assert jax.jit(loss).lower(x, w, b).compile().as_text().count(" convolution(") == 1
+        step = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(x, w, b).compile().as_text()
+        assert step.count(" convolution(") == 1
+    tensors = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    expected = torch.tanh(torch.nn.functional.conv2d(*tensors, stride=strides, padding=pads)).sum()
+    expected.backward()
+    np.testing.assert_allclose(float(value), expected.item(), rtol=1e-12)
+    for actual, tensor in zip(gradients, tensors):
+        np.testing.assert_allclose(np.asarray(actual), tensor.grad.numpy(), rtol=1e-10, atol=1e-12)
