@@ -375,11 +375,14 @@ def conv_with_product_gradients(x: Any, w: Any, window: Window, group: int) -> A
     are its input, channels first: the gradients' products need none of the transposes
     XLA:CPU puts around its channel-last convolution's two gradients. The value stays on the
     library's kernel, which was the faster forward pass on some exports (see
-    bench/RESULTS.md, "1x1 layers' gradients as products")."""
+    bench/RESULTS.md, "The patches stacked channels first, and 1x1 layers' gradients as
+    products")."""
     return library_conv(x, w, window, group)
 
 
 def conv_with_product_gradients_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
+    """Both terms by patches_product over the whole kernel: on maps past the patches limits
+    a 1x1 kernel's one position always reads input, so none is left out."""
     offsets = [np.arange(size) for size in window.kernel]
     return bilinear_jvp(conv_with_product_gradients(*primals, window, group),
                         lambda x, w: patches_product(x, w, window, group, offsets), primals, tangents)
