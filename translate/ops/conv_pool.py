@@ -381,11 +381,10 @@ def conv_with_product_gradients(x: Any, w: Any, window: Window, group: int) -> A
 
 
 def conv_with_product_gradients_jvp(window: Window, group: int, primals: tuple, tangents: tuple) -> tuple:
-    """Both terms by patches_product over the whole kernel: on maps past the patches limits
-    a 1x1 kernel's one position always reads input, so none is left out."""
-    offsets = [np.arange(size) for size in window.kernel]
+    """Both terms by conv_by_patches: on maps past the patches limits a 1x1 kernel's one
+    position always reads input, so no position is left to leave out."""
     return bilinear_jvp(conv_with_product_gradients(*primals, window, group),
-                        lambda x, w: patches_product(x, w, window, group, offsets), primals, tangents)
+                        lambda x, w: conv_by_patches(x, w, window, group), primals, tangents)
 
 
 conv_with_product_gradients.defjvp(conv_with_product_gradients_jvp, symbolic_zeros=True)
