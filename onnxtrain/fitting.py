@@ -100,6 +100,33 @@ def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
         yield previous
 
 
+def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_last: bool) -> Iterator[Feeds]:
+    """Each batch through prepare. Under drop_last, a last batch whose batch size differs from
+    the first's is left out even where prepare refuses it (a model exported for one batch
+    size); refused anywhere else, it raises."""
+    first, refused = None, None
+    for feeds in batches:
+        if refused is not None:
+            raise refused
+        try:
+            checked = prepare(feeds)
+        except InputError as error:
+            if not (drop_last and first is not None and _other_rows(feeds, first)):
+                raise
+            refused = error
+            continue
+        first = _rows(checked) if first is None else first
+        yield checked
+
+
+def _other_rows(feeds: Feeds, rows: list[tuple[int, ...]]) -> bool:
+    """Whether a batch not yet checked has batch sizes other than `rows`."""
+    try:
+        return _rows(feeds) != rows
+    except ValueError:  # a ragged nested list has no shape
+        return False
+
+
 def _chunks(batches: Iterable[Feeds], size: int) -> Iterable[list[Feeds]]:
     """Lists of `size` batches. A chunk holds batches while the loader makes the next ones, and
     a loader may refill one buffer for every batch, so each batch of a chunk is copied: into
@@ -202,7 +229,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
         pending = None
         # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
-        steps = map(prepare, epoch_batches)
+        steps = _prepared(epoch_batches, prepare, drop_last)
         for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
             # Labels are copied now: a loader may refill their buffer before the outputs come back.
             labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []

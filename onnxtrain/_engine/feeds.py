@@ -240,6 +240,13 @@ def host_array(name: str, value: Any) -> Any:
     return _foreign_array(name, value)
 
 
+# What to do when a model exported with a fixed batch size meets another one.
+_FIXED_BATCH = (". If axis 0 is the batch, the model was exported for batches of exactly {size}: "
+                "pass repair={{'relax_batch'}} to make_training_model or finetune, or re-export "
+                "it with a dynamic batch axis, to take any batch size; or, in training, pass "
+                "drop_last=True to fit to skip a short last batch")
+
+
 class FeedChecker:
     """Checks feeds against declared inputs; the declarations are digested once, so a
     training loop pays only for the comparisons."""
@@ -327,7 +334,8 @@ class FeedChecker:
         for axis, ((value, param), size) in enumerate(zip(dims, shape)):
             if value is not None and value != size:
                 raise InputError(f"input {name!r} must have size {value} on axis {axis} "
-                                 f"(shape {declared()}), got shape {list(shape)}")
+                                 f"(shape {declared()}), got shape {list(shape)}"
+                                 + (_FIXED_BATCH.format(size=value) if axis == 0 else ""))
             if param:
                 seen = symbols.setdefault(param, (size, name))
                 if seen[0] != size:

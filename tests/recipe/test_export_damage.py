@@ -342,6 +342,28 @@ def test_relaxed_batch_runs_at_other_sizes_and_matches_the_original(exporter):
         assert np.isfinite(loss["loss"])
 
 
+def test_a_fixed_batch_meeting_a_short_last_batch_says_what_to_do_and_each_way_works():
+    """A DataLoader whose data does not divide into the export's batch size: the error names
+    both ways out, and each of them trains."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    exported = _export(_Flatten(view=True), (torch.randn(BATCH, 3, 8, 8),), dynamo=True, input_names=["x"])
+    data = TensorDataset(torch.randn(2 * BATCH + 1, 3, 8, 8), torch.randn(2 * BATCH + 1, 5))
+    loader = DataLoader(data, batch_size=BATCH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportDamageWarning)
+        fixed = onnxtrain.Trainer(onnxtrain.make_training_model(exported, loss="mse"))
+    with pytest.raises(onnxtrain.InputError) as error:
+        fixed.fit(loader, verbose=0)
+    message = str(error.value)
+    assert f"must have size {BATCH} on axis 0" in message
+    assert "repair={'relax_batch'}" in message and "drop_last=True" in message
+    assert len(fixed.fit(loader, drop_last=True, verbose=0)["step_loss"]) == 2
+    relaxed = onnxtrain.Trainer(onnxtrain.make_training_model(exported, loss="mse", repair={"relax_batch"}))
+    assert len(relaxed.fit(loader, verbose=0)["step_loss"]) == 3
+
+
 class _LSTM(nn.Module):
     def __init__(self):
         super().__init__()
