@@ -197,6 +197,12 @@ class ArrayBatches:
     def __len__(self) -> int:
         return -(-self.rows // self.batch_size)
 
+    def short_last(self) -> tuple[int, int] | None:
+        """(batch size, rows of each epoch's last batch) when that batch is short; None when
+        batch_size divides the rows."""
+        left = self.rows % self.batch_size
+        return (self.batch_size, left) if left else None
+
     def order(self, epoch: int) -> np.ndarray | None:
         """The row order of epoch `epoch` (counted from 0), or None when not shuffled."""
         if not self.shuffle:
@@ -273,6 +279,52 @@ class SizedFeedBatches(FeedBatches):
 
     def __len__(self) -> int:
         return len(self._source)  # type: ignore[arg-type]
+
+    def short_last(self) -> tuple[int, int] | None:
+        """(batch size, rows of each epoch's last batch) when a torch DataLoader's settings say
+        that batch is short (batch_size rows from a sampler with a length, drop_last off); None
+        otherwise, or when the source does not say."""
+        loader = self._source
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(size, int) or size < 1 or getattr(loader, "drop_last", None) is not False:
+            return None
+        try:
+            rows = len(loader.sampler)  # type: ignore[attr-defined]
+            if len(loader) != -(-rows // size):  # type: ignore[arg-type]
+                return None  # a loader that batches otherwise
+        except (AttributeError, TypeError):
+            return None
+        return (size, rows % size) if rows % size else None
+
+
+def short_last(batches: Any) -> tuple[int, int] | None:
+    """(batch size, rows of the short batch that ends each epoch) when `batches` knows it ahead
+    (ArrayBatches, or a torch DataLoader's SizedFeedBatches); None otherwise."""
+    return batches.short_last() if isinstance(batches, (ArrayBatches, SizedFeedBatches)) else None
+
+
+def short_probe(batches: Any, first: Mapping[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    """(rows, `first` cut to them) for the short batch that ends each epoch of `batches`, so a
+    check can meet that batch's shape before training; `first` is the epoch's first batch.
+
+    None when no short last batch is known (see ArrayBatches.short_last and
+    SizedFeedBatches.short_last), or when a value of `first` does not have the batch size on
+    axis 0, so cutting it would not show what the last batch holds. Scalars stay as they are.
+    """
+    short = short_last(batches)
+    if short is None:
+        return None
+    size, rows = short
+    probe = {}
+    for name, value in first.items():
+        try:
+            shape = np.shape(value)
+        except ValueError:  # a ragged nested list
+            return None
+        if shape and shape[0] != size:
+            return None
+        probe[name] = value[:rows] if shape else value
+    return rows, probe
 
 
 class FitData(NamedTuple):
@@ -417,6 +469,16 @@ def fit_data(data: Data, inputs: Sequence[str], *, eval_data: Data | None = None
         else:
             eval_batches = _batches_of(eval_data, inputs, "eval_data", epochs)
     if eval_batches is not None and check is not None:
-        # The first evaluation batch is checked now, not after an epoch of training.
-        check(eval_batches.first() if isinstance(eval_batches, FeedBatches) else next(iter(eval_batches)))
+        # The first evaluation batch is checked now, not after an epoch of training, and so is
+        # the shape of a short last one.
+        first = eval_batches.first() if isinstance(eval_batches, FeedBatches) else next(iter(eval_batches))
+        check(first)
+        probe = short_probe(eval_batches, first)
+        if probe is not None:
+            try:
+                check(probe[1])
+            except InputError as error:
+                raise InputError(f"eval_data ends in a batch of {probe[0]} rows, which the model refuses "
+                                 f"(found before training): {error}. Evaluation keeps every row, so for "
+                                 "eval_data pass a number of rows the batch size divides") from None
     return FitData(train_batches, eval_batches)

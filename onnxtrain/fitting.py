@@ -27,6 +27,7 @@ from onnxtrain._engine.faults import Stacked, Unsettled
 from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.progress import Progress, verbosity
 from onnxtrain.callbacks import CallbackLike, CallbackList
+from onnxtrain.data import short_last, short_probe
 from onnxtrain.errors import InputError
 from onnxtrain.metrics import MetricSet, WeightedMeans, batch_size
 
@@ -78,13 +79,6 @@ def _held(feeds: Feeds) -> Feeds:
     return owned(feeds) if isinstance(feeds, Mapping) else feeds
 
 
-def _short_last(batches: Any) -> bool:
-    """Whether whole arrays cut into batches (onnxtrain.data.ArrayBatches) end in a short one;
-    other sources are not read ahead to find out."""
-    rows, size = getattr(batches, "rows", None), getattr(batches, "batch_size", None)
-    return isinstance(rows, int) and isinstance(size, int) and size > 0 and rows % size != 0
-
-
 def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
     """`batches` without the last one if its batch size differs from the first's (drop_last).
     Each batch is copied while the next is read: a loader may refill one buffer for all."""
@@ -100,10 +94,13 @@ def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
         yield previous
 
 
-def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_last: bool) -> Iterator[Feeds]:
+def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_last: bool,
+              probe: bool) -> Iterator[Feeds]:
     """Each batch through prepare. Under drop_last, a last batch whose batch size differs from
     the first's is left out even where prepare refuses it (a model exported for one batch
-    size); refused anywhere else, it raises."""
+    size); refused anywhere else, it raises. With probe and without drop_last, a short last
+    batch known ahead (see onnxtrain.data.short_probe) is checked with the first batch, so a
+    step that refuses it fails before any step has run, not at the end of an epoch."""
     first, refused = None, None
     for feeds in batches:
         if refused is not None:
@@ -115,8 +112,23 @@ def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_
                 raise
             refused = error
             continue
-        first = _rows(checked) if first is None else first
+        if first is None:
+            first = _rows(checked)
+            if probe and not drop_last:
+                _check_short_last(batches, feeds, prepare)
         yield checked
+
+
+def _check_short_last(batches: Iterable[Feeds], first: Feeds, prepare: Callable[[Feeds], Feeds]) -> None:
+    found = short_probe(batches, first) if isinstance(first, Mapping) else None
+    if found is None:
+        return
+    rows, probe = found
+    try:
+        prepare(probe)
+    except InputError as error:
+        raise InputError(f"every epoch ends in a batch of {rows} rows, which the training step refuses "
+                         f"(found before the first step; nothing has trained): {error}") from None
 
 
 def _other_rows(feeds: Feeds, rows: list[tuple[int, ...]]) -> bool:
@@ -204,7 +216,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     for epoch in range(epochs):
         epoch_batches = _epoch_batches(batches)
         total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
-        if total and drop_last and _short_last(epoch_batches):
+        if total and drop_last and short_last(epoch_batches) is not None:
             total -= 1
         hooks.epoch_begin(epoch, total)
         display.epoch_begin(epoch, total)
@@ -229,7 +241,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
         pending = None
         # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
-        steps = _prepared(epoch_batches, prepare, drop_last)
+        steps = _prepared(epoch_batches, prepare, drop_last, probe=epoch == 0)
         for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
             # Labels are copied now: a loader may refill their buffer before the outputs come back.
             labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []

@@ -354,12 +354,31 @@ def test_a_fixed_batch_meeting_a_short_last_batch_says_what_to_do_and_each_way_w
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExportDamageWarning)
         fixed = onnxtrain.Trainer(onnxtrain.make_training_model(exported, loss="mse"))
-    with pytest.raises(onnxtrain.InputError) as error:
-        fixed.fit(loader, verbose=0)
-    message = str(error.value)
-    assert f"must have size {BATCH} on axis 0" in message
-    assert "repair={'relax_batch'}" in message and "drop_last=True" in message
-    assert len(fixed.fit(loader, drop_last=True, verbose=0)["step_loss"]) == 2
+    before = {name: np.asarray(value) for name, value in fixed.state.items()}
+    # The short last batch is known ahead (a DataLoader's settings, whole arrays' rows), so
+    # the refusal comes before the first step, not after an epoch's other steps have trained.
+    for data in (loader, (data.tensors[0].numpy(), data.tensors[1].numpy())):
+        with pytest.raises(onnxtrain.InputError) as error:
+            fixed.fit(data, batch_size=None if data is loader else BATCH, verbose=0)
+        message = str(error.value)
+        assert "ends in a batch of 1 rows" in message and "nothing has trained" in message
+        assert f"must have size {BATCH} on axis 0" in message
+        assert "repair={'relax_batch'}" in message and "drop_last=True" in message
+        assert all(np.array_equal(before[name], value) for name, value in fixed.state.items())
+    # So is evaluation data's, which drop_last does not cut.
+    with pytest.raises(onnxtrain.InputError, match="eval_data ends in a batch of 1 rows"):
+        fixed.fit(loader, drop_last=True, eval_data=loader, verbose=0)
+    assert all(np.array_equal(before[name], value) for name, value in fixed.state.items())
+
+    class Totals(onnxtrain.callbacks.Callback):
+        seen: list = []
+
+        def on_epoch_begin(self, epoch):
+            self.seen.append(self.params["steps"])
+
+    totals = Totals()
+    assert len(fixed.fit(loader, drop_last=True, verbose=0, callbacks=[totals])["step_loss"]) == 2
+    assert totals.seen == [2]  # the dropped batch is not counted in the epoch's steps
     relaxed = onnxtrain.Trainer(onnxtrain.make_training_model(exported, loss="mse", repair={"relax_batch"}))
     assert len(relaxed.fit(loader, verbose=0)["step_loss"]) == 3
 

@@ -157,6 +157,46 @@ def test_torch_dataloaders_of_pairs_and_of_dicts_train_as_the_list_of_feed_dicts
     assert_same_training(training_model, unsized, dict_batches(size=8))
 
 
+def test_a_short_last_batch_is_known_ahead_only_where_the_source_says_so():
+    """short_last: (batch size, rows of the last batch) for whole arrays and a DataLoader that
+    will cut a short last batch; None where the batches cannot be known without reading them,
+    or where the loader drops that batch itself. Checked against the batches each source yields."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler, TensorDataset
+
+    from onnxtrain.data import short_last, short_probe
+
+    class Unsized(IterableDataset):
+        def __iter__(self):
+            return iter(zip(torch.from_numpy(X), torch.from_numpy(LABELS)))
+
+    dataset = TensorDataset(torch.from_numpy(X), torch.from_numpy(LABELS))     # 16 rows
+    cases = {
+        "arrays 16/6": ((X, LABELS), {"batch_size": 6}, (6, 4)),
+        "arrays 16/8": ((X, LABELS), {"batch_size": 8}, None),
+        "loader 16/6": (DataLoader(dataset, batch_size=6), {}, (6, 4)),
+        "loader 16/6, shuffled": (DataLoader(dataset, batch_size=6, shuffle=True), {}, (6, 4)),
+        "loader 16/8": (DataLoader(dataset, batch_size=8), {}, None),
+        "loader dropping it": (DataLoader(dataset, batch_size=6, drop_last=True), {}, None),
+        "batch sampler": (DataLoader(dataset, batch_sampler=BatchSampler(SequentialSampler(dataset), 6, False)), {},
+                          None),
+        "iterable dataset": (DataLoader(Unsized(), batch_size=6), {}, None),
+        "list": ([{"x": X[:6], "labels": LABELS[:6]}, {"x": X[6:], "labels": LABELS[6:]}], {}, None),
+    }
+    for case, (data, options, expected) in cases.items():
+        train = fit_data(data, ["x", "labels"], **options).train
+        assert short_last(train) == expected, case
+        sizes = [len(batch["x"]) for batch in train]
+        if expected is not None:
+            assert sizes[-1] == expected[1] and set(sizes[:-1]) == {expected[0]}, case
+            rows, probe = short_probe(train, next(iter(train)))
+            assert rows == expected[1] and {len(value) for value in probe.values()} == {rows}, case
+    # A value without the batch size on axis 0 (a lookup table beside the batch) is not cut.
+    loader = fit_data(DataLoader(dataset, batch_size=6), ["x", "labels"]).train
+    assert short_probe(loader, {"x": X[:6], "table": X}) is None
+    assert short_probe(loader, {"x": X[:6], "scale": np.float32(2)})[1]["scale"] == 2
+
+
 @pytest.mark.slow
 def test_a_finetuner_takes_the_same_forms():
     optax = pytest.importorskip("optax")
