@@ -120,6 +120,7 @@ def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_
 
 
 def _check_short_last(batches: Iterable[Feeds], first: Feeds, prepare: Callable[[Feeds], Feeds]) -> None:
+    """prepare() on `first` cut to the rows of the short batch known to end each epoch, if any."""
     found = short_probe(batches, first) if isinstance(first, Mapping) else None
     if found is None:
         return
