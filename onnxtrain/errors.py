@@ -3,10 +3,13 @@
 Every error a user can cause (a bad model, a bad feed, an unsupported
 operator) surfaces as a subclass of OnnxTrainError whose message names the
 model part involved and what to do about it, never as a raw protobuf, OS or
-XLA traceback from deep inside.
+XLA traceback from deep inside. Warnings, likewise, point at the user's line
+that called onnxtrain (user_stacklevel).
 """
 
 from __future__ import annotations
+
+import sys
 
 
 class OnnxTrainError(Exception):
@@ -62,3 +65,22 @@ def without_jax_notes(error: BaseException) -> BaseException:
     if notes:
         error.__notes__ = [note for note in notes if "JAX has removed its internal frames" not in note]
     return error
+
+
+def user_stacklevel() -> int:
+    """The stacklevel for warnings.warn, called from the function that warns, that points at
+    the first frame outside onnxtrain (and outside JAX, which runs onnxtrain's code while it
+    traces), so a warning names the user's line however deep inside onnxtrain it is raised
+    (what Python 3.12's skip_file_prefixes does).
+
+    Example:
+        >>> warnings.warn("...", ExportDamageWarning, stacklevel=user_stacklevel())
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and _inside(frame.f_globals.get("__name__", "")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(module: str) -> bool:
+    return module.partition(".")[0] in ("onnxtrain", "jax", "jaxlib")

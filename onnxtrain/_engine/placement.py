@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from onnxtrain.errors import InputError
+from onnxtrain.errors import InputError, user_stacklevel
 from onnxtrain.proto import ModelProto, NodeProto, ShardingSpecProto
 from onnxtrain.translate.graph import GraphPlan
 from onnxtrain.translate.node import NodeSpec, node_label
@@ -231,7 +231,7 @@ class MeshPlacement(Placement):
         if (label, tensor) not in self._warned:
             self._warned.add((label, tensor))
             warnings.warn(f"{label}: the sharding annotation of tensor {tensor!r} is ignored: {reason}",
-                          ShardingAnnotationWarning, stacklevel=2)
+                          ShardingAnnotationWarning, stacklevel=user_stacklevel())
 
 
 def _annotated_nodes(model: ModelProto) -> list[NodeProto]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxtrain._recipe.objective import FLOATS, Names, default_opset
 from onnxtrain._recipe.trainable import producer_of
-from onnxtrain.errors import BindingError
+from onnxtrain.errors import BindingError, user_stacklevel
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 from onnxtrain.proto.make import node as make_node
 from onnxtrain.proto.walk import iter_graph_tree
@@ -328,7 +328,7 @@ def warn_damage(findings: Iterable[Finding], repaired: Iterable[str], where: str
     if left:
         lines = "\n".join(f"- {f.text()}" for f in left)
         warnings.warn(f"{where}: the model shows export damage that changes how it trains:\n{lines}",
-                      ExportDamageWarning, stacklevel=4)
+                      ExportDamageWarning, stacklevel=user_stacklevel())
 
 
 class ExportDamageWarning(UserWarning):

@@ -175,8 +175,12 @@ def test_finetune_repairs_and_warns_as_make_training_model_does():
     optax = pytest.importorskip("optax")
     folded, _, x = _cnn_exports()
     labels = np.arange(BATCH, dtype=np.int64) % 5
-    with pytest.warns(ExportDamageWarning, match="BatchNorm looks folded"):
+    # Each warning names the line that called onnxtrain, not a line inside it.
+    with pytest.warns(ExportDamageWarning, match="BatchNorm looks folded") as record:
         onnxtrain.finetune(folded, "cross_entropy", optax.sgd(0.1))
+        onnxtrain.FineTuner(folded, "cross_entropy", optax.sgd(0.1))
+        onnxtrain.make_training_model(folded, loss="cross_entropy")
+    assert [Path(w.filename).name for w in record] == [Path(__file__).name] * 3
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportDamageWarning)
         tuner = onnxtrain.finetune(folded, "cross_entropy", optax.sgd(0.1), repair="all")
