@@ -101,19 +101,19 @@ def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_
     size); refused anywhere else, it raises. With probe and without drop_last, a short last
     batch known ahead (see onnxtrain.data.short_probe) is checked with the first batch, so a
     step that refuses it fails before any step has run, not at the end of an epoch."""
-    first, refused = None, None
+    first_rows, refused = None, None
     for feeds in batches:
         if refused is not None:
             raise refused
         try:
             checked = prepare(feeds)
         except InputError as error:
-            if not (drop_last and first is not None and _other_rows(feeds, first)):
+            if not (drop_last and first_rows is not None and _other_rows(feeds, first_rows)):
                 raise
             refused = error
             continue
-        if first is None:
-            first = _rows(checked)
+        if first_rows is None:
+            first_rows = _rows(checked)
             if probe and not drop_last:
                 _check_short_last(batches, feeds, prepare)
         yield checked
@@ -121,7 +121,7 @@ def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_
 
 def _check_short_last(batches: Iterable[Feeds], first: Feeds, prepare: Callable[[Feeds], Feeds]) -> None:
     """prepare() on `first` cut to the rows of the short batch known to end each epoch, if any."""
-    found = short_probe(batches, first) if isinstance(first, Mapping) else None
+    found = short_probe(batches, first)
     if found is None:
         return
     rows, probe = found

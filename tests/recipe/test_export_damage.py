@@ -375,7 +375,9 @@ def test_a_fixed_batch_meeting_a_short_last_batch_says_what_to_do_and_each_way_w
     assert all(np.array_equal(before[name], value) for name, value in fixed.state.items())
 
     class Totals(onnxtrain.callbacks.Callback):
-        seen: list = []
+        def __init__(self):
+            super().__init__()
+            self.seen = []
 
         def on_epoch_begin(self, epoch):
             self.seen.append(self.params["steps"])
