@@ -4,9 +4,7 @@ from one expanded graph."""
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -17,11 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain._portable.backward import expand_gradients
 from onnxtrain._recipe.builder import make_training_model
 from onnxtrain.errors import ExportError
+from support.bench_modules import bench_module
 from support.portable_graphs import (assert_close, combined, compare_expansion, expanded_model, gradient_model,
                                      run_onnxruntime, run_onnxtrain)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import models  # noqa: E402  (bench/models.py: the benchmark models)
+models = bench_module("models")
 
 
 def _classifier_feeds(x_shape: tuple[int, ...], classes: int):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,13 +14,13 @@ import numpy as np
 import onnxtrain
 from onnxtrain import optim
 from onnxtrain._recipe.builder import make_training_model
+from support.bench_modules import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 STEPS = 20
 BATCHES = (4, 7) * (STEPS // 2)
-sys.path.insert(0, str(ROOT / "bench"))
-import models  # noqa: E402  (bench/models.py: the benchmark models)
+models = bench_module("models")
 
 
 @dataclass(frozen=True)
