@@ -23,6 +23,7 @@ from onnxtrain._io.model import load_model, save_model
 from onnxtrain._io.summary import describe
 from onnxtrain._recipe.builder import make_training_model
 from onnxtrain._recipe.damage import ExportDamageWarning
+from onnxtrain._recipe.trainable import TrainableSet, default_trainable
 from onnxtrain.finetune import FineTuner, finetune
 from onnxtrain.inference import run, translate_model
 from onnxtrain.trainer import Trainer
@@ -42,10 +43,12 @@ __all__ = [
     "ResourceError",
     "ShardingAnnotationWarning",
     "Trainer",
+    "TrainableSet",
     "UnsupportedOpError",
     "apply_adapters",
     "callbacks",
     "data",
+    "default_trainable",
     "describe",
     "finetune",
     "load_model",

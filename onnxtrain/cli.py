@@ -83,6 +83,8 @@ def _trainable_section(model) -> str:
     lines = [f"default trainable set: {len(chosen.weights)} of {total} float initializers"
              + ("; left out:" if chosen.left_out else "")]
     lines += [f"    {name}: {reason}" for name, reason in chosen.left_out.items()]
+    if chosen.left_out:
+        lines.append("  to train one anyway: trainable=[*onnxtrain.default_trainable(model).weights, NAME]")
     return "\n".join(lines)
 
 

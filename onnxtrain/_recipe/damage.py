@@ -10,7 +10,11 @@ An exported inference model serves exactly as its source did, yet may train diff
 - both exporters merge weights that happen to hold equal values (fresh LayerNorm scales and
   shifts, layer scales, zero biases) into one tensor, so fine-tuning ties them;
 - a model exported without dynamic axes takes only the batch size it was exported with;
-- eval-mode export removes Dropout.
+- eval-mode export removes Dropout;
+- a static-shape export folds a learned position bias (T5's relative_attention_bias) into a
+  constant attention mask, so it stays fixed;
+- exporters store the tables torch computes or keeps as buffers (rotary tables, ALiBi slopes)
+  as initializers, like weights: the default trainable set leaves them out (a note).
 
 detect() lists these as Findings (what, which tensors or nodes, what to do); make_training_model
 and finetune warn once per model about them, and `onnxtrain inspect` lists them. repair() applies
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from onnxtrain._recipe.dataflow import producer_of
 from onnxtrain._recipe.objective import FLOATS, Names, default_opset
-from onnxtrain._recipe.trainable import producer_of
+from onnxtrain._recipe.trainable import POSITION_TABLE_KINDS, Roles, trainable_set
 from onnxtrain.errors import BindingError, user_stacklevel
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 from onnxtrain.proto.make import node as make_node
@@ -102,6 +107,18 @@ def folded_weight(item: NodeProto, min_size: int = FOLDED_WEIGHT_SIZE) -> np.nda
     return value if value.dtype in FLOATS and value.size >= min_size and _weight_like(value) else None
 
 
+def folded_weights(model: ModelProto, min_size: int = FOLDED_WEIGHT_SIZE) -> dict[str, np.ndarray]:
+    """Output name -> value of the main graph's Constant nodes that look like folded weights
+    (folded_weight) and that the default trainable set would train as initializers: not a
+    rotary table in a Constant (optimum's export keeps inv_freq so), nor an exponent."""
+    folded = {item.output[0]: value for item in model.graph.node
+              if (value := folded_weight(item, min_size)) is not None}
+    if not folded:
+        return {}
+    roles = Roles(model, {**graph_initializers(model.graph), **folded})
+    return {name: value for name, value in folded.items() if roles.reason(name, value) is None}
+
+
 def _weight_like(value: np.ndarray, whole: bool = True) -> bool:
     """Finite, with more than two distinct values among its first elements. whole=False checks
     finiteness on its ends only: a mapped weight is then not read (nor paged in) whole."""
@@ -124,8 +141,9 @@ def _is(item: NodeProto, *op_types: str) -> bool:
 
 # --- detection --------------------------------------------------------------------------------
 
-def detect(model: ModelProto) -> list[Finding]:
-    """Every kind of export damage visible in `model`'s main graph (see the module docstring).
+def detect(model: ModelProto, notes: bool = True) -> list[Finding]:
+    """Every kind of export damage visible in `model`'s main graph (see the module docstring);
+    with notes=False, the warnings only (what make_training_model and finetune show).
 
     Example:
         >>> for finding in detect(load_model("resnet.onnx")):
@@ -133,8 +151,10 @@ def detect(model: ModelProto) -> list[Finding]:
     """
     graph = model.graph
     values = graph_initializers(graph)
-    found = [_folded_batchnorm(graph, values), _folded_constants(graph), _duplicates(graph, values),
-             _merged(graph, values), _fixed_batch(graph, values), _dropout_removed(graph)]
+    found = [_folded_batchnorm(graph, values), _folded_constants(model), _duplicates(graph, values),
+             _merged(graph, values), _fixed_batch(graph, values), _bias_in_mask(values)]
+    if notes:
+        found += [_dropout_removed(graph), _position_tables(model)]
     return [finding for finding in found if finding is not None]
 
 
@@ -181,8 +201,8 @@ def _folded_batchnorm(graph: GraphProto, values: dict[str, np.ndarray]) -> Findi
         INSERT_BATCHNORM)
 
 
-def _folded_constants(graph: GraphProto) -> Finding | None:
-    folded = [n.output[0] for n in graph.node if folded_weight(n) is not None]
+def _folded_constants(model: ModelProto) -> Finding | None:
+    folded = list(folded_weights(model))
     if not folded:
         return None
     return Finding("folded_weights", "Constant nodes hold large float tensors that look like weights an "
@@ -321,6 +341,42 @@ def _dropout_removed(graph: GraphProto) -> Finding | None:
                    "training=torch.onnx.TrainingMode.TRAINING).", note=True)
 
 
+def _bias_in_mask(values: dict[str, np.ndarray]) -> Finding | None:
+    """Masks (fill values of magnitude 1e30 or more) whose other entries take three or more
+    values: a learned bias folded in with the mask, which torch trains and the mask keeps fixed."""
+    folded = [name for name, value in values.items()
+              if value.dtype in FLOATS and value.ndim >= 2 and _bias_beside_fill(value)]
+    if not folded:
+        return None
+    return Finding("bias_in_mask", "Attention masks hold varied values beside their fill: the exporter folded "
+                   "a learned position bias (as T5's relative_attention_bias) into a constant mask, so it "
+                   "stays fixed", tuple(folded),
+                   "Re-export with dynamic shapes (dynamic_shapes= for dynamo, dynamic_axes= for "
+                   "TorchScript), which computes the bias from its table, which then trains.")
+
+
+def _bias_beside_fill(value: np.ndarray) -> bool:
+    """A fill of magnitude 1e30 or more and three or more distinct finite values besides, among
+    the first 2**20 entries: a mask fills part of every row, and a folded bias the rest, so a
+    weight (no fill) costs a look at its first megabytes only."""
+    head = np.asarray(value.reshape(-1)[:1 << 20], np.float64)
+    below = np.abs(head) < 1e30
+    return not below.all() and len(np.unique(head[below & np.isfinite(head)])) >= 3
+
+
+def _position_tables(model: ModelProto) -> Finding | None:
+    """The tables torch computes or keeps as buffers that the export stored as initializers."""
+    tables = {name: reason.split(" (")[0] for name, reason in trainable_set(model).left_out.items()
+              if reason.startswith(POSITION_TABLE_KINDS)}
+    if not tables:
+        return None
+    return Finding("position_tables", "The export stores tables that torch computes or keeps as buffers as "
+                   "initializers, like weights; the default trainable set leaves them out",
+                   tuple(f"{name}: {kind}" for name, kind in tables.items()),
+                   "To train one anyway, name it with the default set: trainable=[*onnxtrain."
+                   "default_trainable(model).weights, NAME].", note=True)
+
+
 def warn_damage(findings: Iterable[Finding], repaired: Iterable[str], where: str) -> None:
     """One warning listing the findings no requested repair undid (notes are for inspect)."""
     repaired = set(repaired)
@@ -344,7 +400,7 @@ def prepare(model: ModelProto, repair: Iterable[str] | str | None, where: str,
         BindingError: an unknown repair name or a repair that cannot be sound (see repair()).
     """
     names = repair_names(repair, lift_folded_weights)
-    warn_damage(detect(model), names, where)
+    warn_damage(detect(model, notes=False), names, where)
     return _repair(model, names)
 
 
@@ -398,13 +454,13 @@ def _repair(model: ModelProto, names: frozenset[str]) -> list[str]:
 def lift_constants(model: ModelProto, min_size: int = FOLDED_WEIGHT_SIZE) -> list[str]:
     """Turn the main graph's Constant nodes that look like folded weights into initializers;
     their names."""
+    folded = folded_weights(model, min_size)
     lifted, kept = [], []
     for item in model.graph.node:
-        value = folded_weight(item, min_size)
-        if value is None:
+        if item.op_type != "Constant" or item.output[0] not in folded:
             kept.append(item)
             continue
-        model.graph.initializer.append(numpy_to_tensor(value, item.output[0]))
+        model.graph.initializer.append(numpy_to_tensor(folded[item.output[0]], item.output[0]))
         lifted.append(item.output[0])
     del model.graph.node[:]
     model.graph.node.extend(kept)

@@ -63,8 +63,8 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
     Args:
         model: the inference model.
         trainable: None for the default set (the weights trainable_set finds: exporter
-            constants such as exponents, scales, fill values and zero RNN states stay
-            fixed), one name or a list of names of float initializers (any, constants
+            constants such as exponents, scales, fill values, zero RNN states and position
+            tables stay fixed), one name or a list of names of float initializers (any, constants
             included; exact names, not patterns), or a predicate (name, value) -> bool over
             the float initializers (for patterns: lambda name, value: name.startswith("head.")).
         log: log the chosen set (one INFO line on logger "onnxtrain").
@@ -85,7 +85,8 @@ def trainable_names(model: ModelProto, trainable: Trainable = None, log: bool = 
     if trainable is None:
         chosen = trainable_set(model)
         if log:
-            logger.info("%s (pass trainable= to choose)", chosen.summary())
+            logger.info("%s (pass trainable= to choose; onnxtrain.default_trainable(model) lists them)",
+                        chosen.summary())
         return chosen.weights
     # Only an explicit choice needs the candidates (trainable_set decodes the weights itself).
     values = graph_initializers(model.graph)
