@@ -114,7 +114,9 @@ def _check_known(names: list[str], initializers: list[str]) -> None:
                              f"{type(name).__name__} {name!r} among the names")
         if name in initializers:
             continue
-        close = difflib.get_close_matches(name, initializers, n=5, cutoff=0.6)
+        # A module's own name (inv_freq, weight) ends the exporter's full path (m.model.rotary_emb.inv_freq).
+        ending = [n for n in initializers if n.endswith(f".{name}")]
+        close = list(dict.fromkeys(ending + difflib.get_close_matches(name, initializers, n=5, cutoff=0.6)))[:5]
         hint = f"did you mean {', '.join(map(repr, close))}?" if close else (
             f"the initializers are {initializers[:10]}" + (" ..." if len(initializers) > 10 else ""))
         raise InputError(f"trainable={name!r} names no initializer of the main graph; {hint} "

@@ -63,6 +63,7 @@ def test_a_single_string_is_one_name(tmp_path):
                     "'head.weight'"),
     (["body.weight", "Head.Bias"], "trainable='Head.Bias' names no initializer .* 'head.bias'"),
     ("zzz", r"trainable='zzz' names no initializer of the main graph; the initializers are \['body.weight'"),
+    ("bias", "trainable='bias' names no initializer .*; did you mean 'body.bias', 'head.bias'\\?"),
     ([3], "takes initializer names .* int 3"),
 ])
 def test_a_name_that_matches_nothing_lists_close_names(trainable, message):
