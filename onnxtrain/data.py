@@ -13,6 +13,10 @@
   epoch when `shuffle=True`; `validation_split=f` holds out the last fraction `f` of the rows
   (taken before shuffling, as Keras does) as the evaluation data.
 
+- **Examples of different lengths** (tokenized text): `padded_batches(examples, batch_size,
+  multiple_of=16)` pads each batch to a few lengths, so a few programs compile instead of one
+  per length (`Padding` does the same as a DataLoader's collate_fn).
+
 Arrays may be numpy or jax arrays, torch tensors (CPU, requires_grad too), pandas columns or
 Python lists; they follow the feed rules of onnxtrain._engine.feeds (an array with a dtype of
 its own must carry the declared one; Python numbers convert to it). Whole arrays are converted
@@ -35,6 +39,7 @@ import numpy as np
 
 from onnxtrain._engine.feeds import host_array
 from onnxtrain.errors import InputError
+from onnxtrain._padding import Padding, PaddedBatches, padded_batches  # noqa: F401 - part of onnxtrain.data
 
 Feeds = Mapping[str, Any]
 # Anything fit accepts as its data (see the module docstring).

@@ -28,6 +28,9 @@ logger = logging.getLogger("onnxtrain")
 # Programs a jitted function keeps by default: room for a training shape, a short last batch,
 # evaluation and inference shapes, with a margin, yet a bound on memory when shapes churn.
 DEFAULT_MAX_PROGRAMS = 16
+# Sizes one axis past the batch may take before the front end says each compiles a program: a
+# training length and an evaluation length are normal, text of every length is not.
+VARYING_SIZES = 4
 
 Signature = tuple[tuple[tuple[int, ...], Any], ...]
 
@@ -43,6 +46,19 @@ class ProgramLimit:
                              f"function), got {max_programs!r}")
         self.max_programs = max_programs
         self.warned = False
+        self.warned_varying = False
+
+    def varying(self, where: str, name: str, axis: int, sizes: list[int]) -> None:
+        """Say, once, that an input's axis past the batch keeps taking new sizes, each of which
+        compiles a program, and how to pad it to a few."""
+        if self.warned_varying:
+            return
+        self.warned_varying = True
+        logger.warning(
+            "%s: input %r has taken %d sizes on axis %d (%s), and each new size compiles a program, which "
+            "takes seconds. Pad to a few lengths: onnxtrain.data.padded_batches(examples, batch_size, "
+            "multiple_of=16) for fit, or onnxtrain.data.Padding(multiple_of=16) as a DataLoader's collate_fn.",
+            where, name, len(sizes), axis, ", ".join(map(str, sizes)))
 
     def churn(self, where: str, names: list[str], previous: Signature, current: Signature, stacked: bool) -> None:
         """Warn, once, that `where` evicts a program because its feeds keep changing shape."""
@@ -52,8 +68,9 @@ class ProgramLimit:
         logger.warning(
             "%s: %s, and each new feed shape compiles a new program; only the %d most recently used "
             "are kept (max_programs), so shapes that keep changing recompile without end. Feed a few "
-            "fixed shapes: fit(drop_last=True) skips a short last batch, or pad batches to a few "
-            "bucket sizes; or raise max_programs.",
+            "fixed shapes: fit(drop_last=True) skips a short last batch, and onnxtrain.data.padded_batches "
+            "(or onnxtrain.data.Padding as a DataLoader's collate_fn) pads text to a few lengths; or raise "
+            "max_programs.",
             where, _change(names, previous, current, stacked), self.max_programs)
 
 
@@ -102,6 +119,7 @@ class Compiled:
         self._options = options
         self._programs: OrderedDict[Signature, Any] = OrderedDict()
         self._retired = 0  # programs compiled by evicted signatures' jits
+        self._sizes: dict[tuple[str, int], list[int]] = {}  # (input, axis past the batch) -> sizes seen
         # The signature called last and its program: a training loop's every call after the first.
         self._last: tuple[Signature, Any] | None = None
         trim_after_long_compilations()
@@ -140,6 +158,7 @@ class Compiled:
         return program
 
     def _add(self, key: Signature, feeds: Mapping[str, Any]) -> Any:
+        self._note_sizes(list(feeds), key)
         if len(self._programs) >= self._limit.max_programs:
             previous = next(reversed(self._programs))
             _, evicted = self._programs.popitem(last=False)
@@ -156,3 +175,16 @@ class Compiled:
         program = jit_with_options(fresh, **self._options)
         self._programs[key] = program
         return program
+
+    def _note_sizes(self, names: list[str], key: Signature) -> None:
+        """Record the sizes of each input's axes past the batch; warn when one keeps changing."""
+        first = 1 + self._stacked  # axis 0 holds the batch (the steps, then the batch, when stacked)
+        for name, (shape, _) in zip(names, key):
+            if not isinstance(shape, tuple) or not all(isinstance(size, int) for size in shape):
+                continue  # a sequence or map input: its structure, not an array's shape
+            for axis in range(first, len(shape)):
+                sizes = self._sizes.setdefault((name, axis), [])
+                if shape[axis] not in sizes:
+                    sizes.append(shape[axis])
+                    if len(sizes) >= VARYING_SIZES:
+                        self._limit.varying(self._where, name, axis - self._stacked, sizes)
