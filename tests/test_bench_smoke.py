@@ -137,7 +137,7 @@ def test_large_model_benchmark_runs_on_a_tiny_export(tmp_path):
 
 @pytest.mark.slow
 def test_kernel_profile_lists_kernels_of_both_steps():
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--model", "mlp", "--steps", "3", "--top", "2"],
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_times.py"), "--model", "mlp", "--steps", "3", "--top", "2"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -1,8 +1,8 @@
 """The benchmark scripts' modules, for tests that reuse them (bench/models.py's models).
 
-Each is loaded from its file under the name bench_<name>: bench/ is not a package and must stay
-off sys.path, where its scripts (kernels.py, models.py, run.py, ...) would shadow installed
-packages of the same name (transformers imports the `kernels` package).
+Each is loaded from its file under the name bench_<name>: bench/ is not a package and stays off
+sys.path, where a script named like an installed package would shadow it for every test after
+(bench/kernels.py once hid the `kernels` package transformers imports).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ totals. Device time excludes Python and dispatch, which are the rest of a step's
 One process profiles both systems, one after the other; the machine's noise applies, so
 repeat a run before trusting a difference of a few percent.
 
-Usage: python bench/kernels.py [--model mlp|cnn|transformer] [--nan-policy raise|ignore]
+Usage: python bench/kernel_times.py [--model mlp|cnn|transformer] [--nan-policy raise|ignore]
                                [--steps 100] [--top 15]
 """
 
