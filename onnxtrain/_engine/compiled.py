@@ -28,9 +28,9 @@ logger = logging.getLogger("onnxtrain")
 # Programs a jitted function keeps by default: room for a training shape, a short last batch,
 # evaluation and inference shapes, with a margin, yet a bound on memory when shapes churn.
 DEFAULT_MAX_PROGRAMS = 16
-# Sizes one axis past the batch may take before the front end says each compiles a program: a
-# training length and an evaluation length are normal, text of every length is not.
-VARYING_SIZES = 4
+# Sizes one axis past the batch may take before the front end says each compiles a program:
+# training and evaluation lengths, or text padded to a few buckets, are normal; every length is not.
+VARYING_SIZES = 8
 
 Signature = tuple[tuple[tuple[int, ...], Any], ...]
 
