@@ -1,17 +1,18 @@
-"""Text batches of a few shapes (onnxtrain.data's Padding and padded_batches): variable-length
-examples padded to a multiple of a length or to the next of a few bucket lengths, as Hugging
-Face's collators pad them.
+"""Text batches of a few shapes: variable-length examples padded to a multiple of a length or
+to the next of a few bucket lengths, as Hugging Face's collators pad them (onnxtrain.data's
+Padding; onnxtrain.data.padded_batches cuts examples into batches with it).
 
-Every new feed shape compiles a new program, and a compile costs seconds where a step costs
-milliseconds: twenty batches of random lengths between 8 and 64 tokens compile about twenty
-programs, the same batches padded to a multiple of 16 at most four. Padding is exact for
-training: labels are -100 on padding (the loss skips them, as `ignore_index` does), attention
-masks 0, and right padding never reaches a causal model's earlier positions.
+Every new feed shape compiles a new program, which takes seconds where a step takes
+milliseconds: text of every length compiles a program per length, text padded to a few
+lengths a few programs (bench/RESULTS.md, "Text batches: padding and compiled programs").
+Padding is exact for training: labels are -100 on padding (the loss skips them, as
+`ignore_index` does), attention masks 0, and right padding never reaches a causal model's
+earlier positions.
 
 Example:
     >>> examples = [{"input_ids": ids} for ids in tokenized]          # lists of token ids
-    >>> batches = onnxtrain.data.padded_batches(examples, batch_size=8, multiple_of=16,
-    ...                                         labels_from="input_ids", shuffle=True)
+    >>> batches = onnxtrain.data.padded_batches(examples, 8, multiple_of=16, labels_from="input_ids",
+    ...                                         shuffle=True)
     >>> trainer.fit(batches, epochs=3)
     >>> loader = DataLoader(examples, batch_size=8, collate_fn=onnxtrain.data.Padding(multiple_of=16))
 """
@@ -19,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -138,65 +139,3 @@ def _length(value: Any, what: str) -> int:
         raise InputError(f"{what} takes positive ints (token counts), got {value!r}")
     return int(value)
 
-
-class PaddedBatches:
-    """Examples cut into batches and padded (see Padding), re-iterable: one epoch per
-    iteration, in a new seeded order each epoch when shuffled. fit() takes it as its data.
-
-    Example:
-        >>> trainer.fit(PaddedBatches(examples, 8, Padding(multiple_of=16)), epochs=2)
-    """
-
-    def __init__(self, examples: Sequence[Mapping[str, Any]], batch_size: int, padding: Padding,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False):
-        self.examples, self.padding = list(examples), padding
-        self.batch_size = _length(batch_size, "batch_size")
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
-        if not self.examples:
-            raise InputError("padded_batches got no examples; pass at least one")
-        self._epoch = 0
-
-    def __len__(self) -> int:
-        whole, rest = divmod(len(self.examples), self.batch_size)
-        return whole + (bool(rest) and not self.drop_last)
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        order = np.arange(len(self.examples))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self._epoch]).permutation(order)
-        self._epoch += 1
-        for start in range(0, len(order) - (self.batch_size - 1 if self.drop_last else 0), self.batch_size):
-            yield self.padding([self.examples[i] for i in order[start:start + self.batch_size]])
-
-
-def padded_batches(examples: Sequence[Mapping[str, Any]], batch_size: int, *, multiple_of: int | None = None,
-                   buckets: Sequence[int] | None = None, labels_from: str | None = None, shuffle: bool = False,
-                   seed: int = 0, drop_last: bool = False, **options: Any) -> PaddedBatches:
-    """Variable-length examples as batches of a few shapes, for fit: each batch padded to its
-    longest example's length rounded up to `multiple_of`, or to the smallest of `buckets` that
-    holds it, so the batches compile a few programs instead of one per length.
-
-    Args:
-        examples: dicts input name -> 1-D token sequence (or a scalar, stacked as is).
-        batch_size: examples per batch.
-        multiple_of: pad lengths up to a multiple of this.
-        buckets: pad lengths up to the smallest of these.
-        labels_from: write `labels` as a copy of this input (-100 on padding): a causal LM.
-        shuffle: a new order each epoch, seeded by (seed, epoch).
-        seed: the shuffle's seed.
-        drop_last: leave out a last batch of fewer than batch_size examples.
-        options: Padding's other settings (pad_id, label_pad, masks, labels).
-
-    Returns:
-        A re-iterable of padded batches (dicts input name -> array), with a length.
-
-    Raises:
-        InputError: see Padding; no examples.
-
-    Example:
-        >>> batches = padded_batches([{"input_ids": ids} for ids in tokenized], 8, multiple_of=16,
-        ...                          labels_from="input_ids", shuffle=True)
-        >>> trainer.fit(batches, epochs=3)
-    """
-    padding = Padding(multiple_of, buckets, labels_from=labels_from, **options)
-    return PaddedBatches(examples, batch_size, padding, shuffle=shuffle, seed=seed, drop_last=drop_last)

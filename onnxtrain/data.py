@@ -39,7 +39,7 @@ import numpy as np
 
 from onnxtrain._engine.feeds import host_array
 from onnxtrain.errors import InputError
-from onnxtrain._padding import Padding, PaddedBatches, padded_batches  # noqa: F401 - part of onnxtrain.data
+from onnxtrain._padding import Padding
 
 Feeds = Mapping[str, Any]
 # Anything fit accepts as its data (see the module docstring).
@@ -300,6 +300,67 @@ class SizedFeedBatches(FeedBatches):
         except (AttributeError, TypeError):
             return None
         return (size, rows % size) if rows % size else None
+
+
+class PaddedBatches:
+    """Examples of different lengths (dicts of 1-D token sequences) cut into batches as
+    ArrayBatches cuts rows (a new seeded order each epoch when shuffled), each batch padded
+    by `padding`. Re-iterable, one epoch per iteration; fit() takes it as its data.
+
+    Example:
+        >>> trainer.fit(PaddedBatches(examples, 8, Padding(multiple_of=16), shuffle=True), epochs=2)
+    """
+
+    def __init__(self, examples: Sequence[Mapping[str, Any]], batch_size: int, padding: Padding,
+                 shuffle: bool = False, seed: Seed = 0, drop_last: bool = False):
+        self.examples, self.padding, self.drop_last = list(examples), padding, bool(drop_last)
+        if not self.examples:
+            raise InputError("padded_batches got no examples; pass at least one")
+        self._rows = ArrayBatches({"example": np.arange(len(self.examples))}, batch_size, shuffle, seed,
+                                  argument="examples")
+
+    def __len__(self) -> int:
+        return len(self._rows) - (self.drop_last and self._rows.short_last() is not None)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for batch in self._rows:
+            rows = batch["example"]
+            if self.drop_last and len(rows) < self._rows.batch_size:
+                return
+            yield self.padding([self.examples[i] for i in rows])
+
+
+def padded_batches(examples: Sequence[Mapping[str, Any]], batch_size: int, *, multiple_of: int | None = None,
+                   buckets: Sequence[int] | None = None, labels_from: str | None = None, shuffle: bool = False,
+                   seed: Seed = 0, drop_last: bool = False, **options: Any) -> PaddedBatches:
+    """Variable-length examples as batches of a few shapes, for fit: each batch padded to its
+    longest example's length rounded up to `multiple_of`, or to the smallest of `buckets` that
+    holds it, so the batches compile a few programs instead of one per length (Padding).
+
+    Args:
+        examples: dicts input name -> 1-D token sequence (or a scalar, stacked as is).
+        batch_size: examples per batch.
+        multiple_of: pad lengths up to a multiple of this.
+        buckets: pad lengths up to the smallest of these.
+        labels_from: write `labels` as a copy of this input (-100 on padding): a causal LM.
+        shuffle: a new order each epoch, seeded by (seed, epoch).
+        seed: the shuffle's seed (an int or a sequence of ints).
+        drop_last: leave out a last batch of fewer than batch_size examples.
+        options: Padding's other settings (pad_id, label_pad, masks, labels).
+
+    Returns:
+        A re-iterable of padded batches (dicts input name -> array), with a length.
+
+    Raises:
+        InputError: see Padding; no examples, a batch_size or seed of another kind.
+
+    Example:
+        >>> batches = padded_batches([{"input_ids": ids} for ids in tokenized], 8, multiple_of=16,
+        ...                          labels_from="input_ids", shuffle=True)
+        >>> trainer.fit(batches, epochs=3)
+    """
+    padding = Padding(multiple_of, buckets, labels_from=labels_from, **options)
+    return PaddedBatches(examples, batch_size, padding, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
 def short_last(batches: Any) -> tuple[int, int] | None:
