@@ -4,8 +4,8 @@ forward pass or keeps as buffers, so that no torch model trains them.
 Rotary embeddings and ALiBi make attention depend on where a token sits, through inverse
 frequencies (a buffer), cos/sin tables (computed from them, or folded by the exporter), ALiBi
 slopes and biases (computed). Exporters store each as an initializer of the same kind as a
-weight, and training one silently corrupts the model: after ten Adam steps a tiny Qwen2's low
-rotary frequencies had moved by up to 830 % and two had turned negative, while its loss fell.
+weight, and training one silently corrupts the model while its loss still falls
+(docs/design/trainable-set.md).
 
 They are recognised by what the forward pass does with them, never by name:
 

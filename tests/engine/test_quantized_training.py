@@ -175,8 +175,8 @@ def test_recompute_on_a_quantized_llama_gives_the_same_steps_with_less_scratch(l
     np.testing.assert_allclose(block_losses, plain_losses, rtol=1e-6)
     for name in plain.state_names:
         np.testing.assert_allclose(blocks.get_state(name), plain.get_state(name), rtol=1e-6, atol=1e-7)
-    # Two tiny layers leave recompute little to save (0.85 of the plain step's scratch since the
-    # rotary tables stopped training): the bound asks for a clear saving, not a deep model's.
+    # Two tiny layers, whose rotary tables no longer train, leave recompute little to save: the
+    # bound asks for a clear saving, not a deep model's.
     assert block_scratch < 0.9 * plain_scratch
     assert blocks.compilations == plain.compilations
 
