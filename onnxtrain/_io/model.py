@@ -244,7 +244,7 @@ def _as_model(model: object) -> ModelProto:
     raise ExportError(f"cannot save a {type(model).__name__}; pass a ModelProto")
 
 
-def _stored_bytes(tensor: TensorProto, where: str) -> bytes | memoryview:
+def stored_bytes(tensor: TensorProto, where: str) -> bytes | memoryview:
     """A tensor's values in raw_data encoding, whichever field holds them; a mapped tensor's
     are a view of its map, so writing them streams from the file without a copy."""
     if mapped.is_mapped(tensor):
@@ -375,7 +375,7 @@ def _moved_to_side_file(
     with open(side_file, "w+b", buffering=0) as side:
         try:
             for tensor, where in tensors:
-                data = _stored_bytes(tensor, where)
+                data = stored_bytes(tensor, where)
                 original = None
                 if not tensor.HasField("raw_data"):
                     original = TensorProto()
