@@ -259,6 +259,26 @@ def _train(arguments: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(arguments: argparse.Namespace) -> int:
+    import time
+
+    from onnxtrain._engine.compilation_cache import executable_cache
+    from onnxtrain.trainer import Trainer
+
+    trainer = Trainer(load_model(arguments.model))
+    names = trainer.step_inputs(arguments.algorithm)
+    batches = _batches(_arrays(arguments.data, names, "--data"), arguments.batch_size, False, 0)
+    # The full batch, and the short last one `train` would also run.
+    shapes = {tuple(array.shape for array in batch.values()): batch for batch in (batches[0], batches[-1])}
+    start = time.perf_counter()
+    compiled = sum(trainer.compile(batch, arguments.algorithm) for batch in shapes.values())
+    cache = executable_cache()
+    where = f"kept in {cache.folder}" if cache is not None else "not kept: the executable cache is off"
+    print(f"{compiled} programs compiled in {time.perf_counter() - start:.1f} s for {len(shapes)} batch "
+          f"shape(s), {trainer.compilations - compiled} found in the cache; {where}")
+    return 0
+
+
 def _optax_optimizer(name: str, lr: float) -> Any:
     import optax
 
@@ -381,6 +401,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--out", required=True, type=Path, help="the trained training model")
     train.add_argument("--inference-out", type=Path, help="also write an inference model here")
     train.set_defaults(run=_train)
+    warm = _command(commands, "compile", "compile a training model's programs for the batches of an .npz file "
+                                         "ahead of `train`, into the executable cache")
+    warm.add_argument("model", help="a training model (with training_info)")
+    warm.add_argument("--data", required=True, type=Path,
+                      help=".npz file with one array per step input (its shapes are what counts)")
+    warm.add_argument("--batch-size", type=int, default=32, help="samples per step, as `train` takes it")
+    warm.add_argument("--algorithm", type=int, default=0, help="which TrainingInfoProto")
+    warm.set_defaults(run=_compile)
     tune = _command(commands, "finetune", "fine-tune an inference model with an optax optimizer and write the "
                                           "fine-tuned inference model")
     tune.add_argument("model", help="the inference model (.onnx)")

@@ -25,6 +25,7 @@ import numpy as np
 from onnxtrain._engine.batches import StackBuilder
 from onnxtrain._engine.faults import Stacked, Unsettled
 from onnxtrain._engine.feeds import owned
+from onnxtrain._engine.compiled import watching_compiles
 from onnxtrain._engine.progress import Progress, verbosity
 from onnxtrain.callbacks import CallbackLike, CallbackList
 from onnxtrain.data import short_last, short_probe
@@ -214,54 +215,57 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     history: dict[str, list[float]] = {}
     logs: dict[str, float] = {}
     hooks.train_begin()
-    for epoch in range(epochs):
-        epoch_batches = _epoch_batches(batches)
-        total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
-        if total and drop_last and short_last(epoch_batches) is not None:
-            total -= 1
-        hooks.epoch_begin(epoch, total)
-        display.epoch_begin(epoch, total)
-        recent: dict[str, list[float]] = {}
-        means = WeightedMeans()
+    # A compile shows on the bar as such, not as a slow step.
+    with watching_compiles(display):
+        for epoch in range(epochs):
+            epoch_batches = _epoch_batches(batches)
+            total = len(epoch_batches) if hasattr(epoch_batches, "__len__") else None
+            if total and drop_last and short_last(epoch_batches) is not None:
+                total -= 1
+            hooks.epoch_begin(epoch, total)
+            display.epoch_begin(epoch, total)
+            recent: dict[str, list[float]] = {}
+            means = WeightedMeans()
 
-        def record(outputs: Any, labels: list[np.ndarray], sizes: list[int]) -> None:
-            for part in outputs:
-                if isinstance(part, Unsettled):
-                    part.settle()
-            steps = per_step_scalars(outputs, skip)
-            if metrics:
-                for step, prediction, label in zip(steps, per_step_values(outputs, metrics.prediction), labels):
-                    step.update(metrics(prediction, label))
-            for step, size in zip(steps, sizes):
-                means.add(step, size)
-                for name, value in step.items():
-                    history.setdefault(f"step_{name}", []).append(value)
-                    recent.setdefault(name, []).append(value)
-                hooks.step_end(step)
-            display.advance(len(steps), recent)
+            def record(outputs: Any, labels: list[np.ndarray], sizes: list[int]) -> None:
+                for part in outputs:
+                    if isinstance(part, Unsettled):
+                        part.settle()
+                steps = per_step_scalars(outputs, skip)
+                if metrics:
+                    for step, prediction, label in zip(steps, per_step_values(outputs, metrics.prediction), labels):
+                        step.update(metrics(prediction, label))
+                for step, size in zip(steps, sizes):
+                    means.add(step, size)
+                    for name, value in step.items():
+                        history.setdefault(f"step_{name}", []).append(value)
+                        recent.setdefault(name, []).append(value)
+                    hooks.step_end(step)
+                display.advance(len(steps), recent)
 
-        pending = None
-        # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
-        steps = _prepared(epoch_batches, prepare, drop_last, probe=epoch == 0)
-        for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
-            # Labels are copied now: a loader may refill their buffer before the outputs come back.
-            labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []
-            sizes = [batch_size(feeds) if isinstance(feeds, Mapping) else 1 for feeds in chunk]
-            outputs = run_steps(chunk)
+            pending = None
+            # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
+            steps = _prepared(epoch_batches, prepare, drop_last, probe=epoch == 0)
+            for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
+                # Labels are copied now: a loader may refill their buffer before the outputs come back.
+                labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []
+                sizes = [batch_size(feeds) if isinstance(feeds, Mapping) else 1 for feeds in chunk]
+                outputs = run_steps(chunk)
+                if pending is not None:
+                    record(*pending)
+                pending = (outputs, labels, sizes)
+                if hooks.stop:
+                    break
             if pending is not None:
                 record(*pending)
-            pending = (outputs, labels, sizes)
-            if hooks.stop:
+            logs = means.result()
+            if eval_data is not None:
+                evaluated = evaluate_batches(evaluate, eval_data, metrics)
+                logs.update({f"val_{name}": value for name, value in evaluated.items()})
+            for name, value in logs.items():
+                history.setdefault(name, []).append(value)
+            display.epoch_end(epoch, logs)
+            if hooks.epoch_end(epoch, logs):
                 break
-        if pending is not None:
-            record(*pending)
-        logs = means.result()
-        if eval_data is not None:
-            logs.update({f"val_{name}": value for name, value in evaluate_batches(evaluate, eval_data, metrics).items()})
-        for name, value in logs.items():
-            history.setdefault(name, []).append(value)
-        display.epoch_end(epoch, logs)
-        if hooks.epoch_end(epoch, logs):
-            break
     hooks.train_end(logs)
     return history

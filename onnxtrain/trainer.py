@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from onnxtrain._engine.compilation_cache import enable_compilation_cache
+from onnxtrain._engine.compilation_cache import enable_compilation_cache, program_cache
 from onnxtrain._engine.compiled import DEFAULT_MAX_PROGRAMS, ProgramLimit
 from onnxtrain._engine.core import Core
 from onnxtrain._engine.faults import check_policy
@@ -109,6 +109,10 @@ class Trainer(Core):
         values = itertools.chain(initial_values(model, layout), ((n, v) for n, (_, v) in hyper.items()))
         store = StateStore(values, key)
         model = without_payloads(model, home)
+        if mesh is None:
+            # The model (its state's values aside) and these options fix every program: a new
+            # process loads them from the executable cache instead of tracing them again.
+            limit.cache = program_cache(model, trainer="Trainer", nan_policy=nan_policy, recompute=mode)
         place = placement(mesh, model, {n: v.shape for n, v in store.values.items()})
         variables = [*layout.names, *hyper]
         self._initializations = [InitializationProgram(model, i) if info.HasField("initialization") else None

@@ -6,19 +6,27 @@ each feed signature (the feeds' shapes and dtypes) its own jax.jit of a fresh wr
 function: evicting the least recently used signature drops its wrapper, and with it the
 trace, the lowering and the executable that JAX's caches hold only as long as the wrapper
 lives. A training loop feeding one signature pays a dictionary look-up per call.
+
+Where the front end has an executable cache (executable_cache.py) and the function an
+identity, a signature's program is looked up there at its first call, before any tracing, and
+compiled explicitly and stored there on a miss.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from onnxtrain._engine.executable_cache import ProgramCache, fresh_compiles, program_name
 from onnxtrain._engine.heap import trim_after_long_compilations
 from onnxtrain.errors import InputError, out_of_memory
 from onnxtrain.translate.compiler_options import jit_with_options
@@ -36,15 +44,17 @@ Signature = tuple[tuple[tuple[int, ...], Any], ...]
 
 
 class ProgramLimit:
-    """How many programs each jitted function of one front end keeps, and the warning, given
-    once per front end, that its feeds keep changing shape."""
+    """How many programs each jitted function of one front end keeps, the executable cache they
+    are kept in across processes (None: JAX's caches only), and the warning, given once per
+    front end, that its feeds keep changing shape."""
 
-    def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS):
+    def __init__(self, max_programs: int = DEFAULT_MAX_PROGRAMS, cache: ProgramCache | None = None):
         """Raises InputError unless max_programs is a positive integer."""
         if isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1:
             raise InputError(f"max_programs must be a positive integer (programs kept per compiled "
                              f"function), got {max_programs!r}")
         self.max_programs = max_programs
+        self.cache = cache
         self.warned = False
         self.warned_varying = False
 
@@ -104,20 +114,151 @@ def _structure(value: Any) -> tuple:
     return (str(tree), *((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf)))) for leaf in leaves))
 
 
+@dataclass(frozen=True)
+class Memo:
+    """What tracing a function leaves on the host that running its program relies on (the
+    layout of a checked step's fault evidence), as JSON values: stored with a cached
+    executable, and put back when one is loaded instead of traced."""
+
+    save: Callable[[], Any]
+    restore: Callable[[Any], None]
+
+
+class _Jitted:
+    """One signature's program, traced, lowered and compiled by jax.jit at its first call (or
+    ahead of it, by prepare)."""
+
+    def __init__(self, jitted: Any):
+        self._jitted = jitted
+        self._ahead = False   # compiled by prepare, not yet called
+
+    def __call__(self, *args: Any) -> Any:
+        self._ahead = False
+        return self._jitted(*args)
+
+    def lower(self, *args: Any) -> Any:
+        return self._jitted.lower(*args)
+
+    def prepare(self, args: tuple) -> Callable[[], None] | None:
+        """Trace and lower for `args` now; return the compile, which may run on any thread
+        (XLA releases the GIL), or None when there is nothing to compile."""
+        if self.ready():
+            return None
+        lowered = self._jitted.lower(*args)
+
+        def compile_ahead() -> None:
+            lowered.compile()   # jax.jit's next call with these arguments finds it compiled
+            self._ahead = True
+
+        return compile_ahead
+
+    def ready(self) -> bool:
+        """Whether a call runs without compiling first."""
+        return self._ahead or self._jitted._cache_size() > 0
+
+    def count(self) -> int:
+        return max(self._jitted._cache_size(), int(self._ahead))
+
+    def clear(self) -> None:
+        self._ahead = False
+        self._jitted._clear_cache()
+
+
+class _Cached(_Jitted):
+    """One signature's program, loaded from the executable cache at its first call, or else
+    compiled explicitly and stored there."""
+
+    def __init__(self, jitted: Any, cache: ProgramCache, name: str, memo: Memo | None):
+        super().__init__(jitted)
+        self._cache, self._name, self._memo = cache, name, memo
+        self._executable: Any = None
+        self._loaded = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._executable is None:
+            compile_now = self.prepare(args)
+            if compile_now is not None:
+                compile_now()
+        if self._loaded:
+            self._loaded = False
+            try:
+                return self._executable(*args)
+            except TypeError as error:
+                # The arguments do not match what the entry was stored for (a key part this
+                # cache cannot see): JAX refuses them before running anything, so trace instead.
+                logger.debug("executable cache: a loaded program refused its arguments (%s)", error)
+                self._compile(self._jitted.lower(*args), self._cache.parts(self._name, args))
+        return self._executable(*args)
+
+    def prepare(self, args: tuple) -> Callable[[], None] | None:
+        if self._executable is not None:
+            return None
+        parts = self._cache.parts(self._name, args)
+        entry = self._cache.cache.load(parts)
+        if entry is not None:
+            if self._memo is not None:
+                self._memo.restore(entry.memo)
+            self._executable, self._loaded = entry.executable, True
+            return None
+        lowered = self._jitted.lower(*args)
+        return lambda: self._compile(lowered, parts)
+
+    def _compile(self, lowered: Any, parts: dict[str, str]) -> None:
+        with fresh_compiles():
+            executable = lowered.compile()
+        self._cache.cache.store(parts, executable, None if self._memo is None else self._memo.save())
+        self._executable, self._loaded = executable, False
+
+    def ready(self) -> bool:
+        return self._executable is not None
+
+    def count(self) -> int:
+        return int(self._executable is not None)
+
+    def clear(self) -> None:
+        self._executable = None
+
+
+class CompileWatcher(Protocol):
+    """Told of every program a call on this thread compiles (or loads) before it runs."""
+
+    def compiling(self, where: str) -> AbstractContextManager[None]: ...
+
+
+_watching = threading.local()
+
+
+@contextmanager
+def watching_compiles(watcher: CompileWatcher) -> Iterator[None]:
+    """Within this block, this thread's calls that compile a program first do it inside
+    watcher.compiling(where) (fit's progress bar says "compiling" and leaves the time out)."""
+    previous = getattr(_watching, "watcher", None)
+    _watching.watcher = watcher
+    try:
+        yield
+    finally:
+        _watching.watcher = previous
+
+
 class Compiled:
     """`function` jitted (with onnxtrain's compiler options and `options`), keeping the programs
     of the `limit.max_programs` most recently used feed signatures; its feeds are argument
-    `feeds_argnum`, a dict of arrays (stacked: with a leading axis of steps)."""
+    `feeds_argnum`, a dict of arrays (stacked: with a leading axis of steps).
+
+    identity: what names the function's programs in the front end's executable cache (unique
+    within the front end; None keeps them out of it); memo: what its tracing leaves behind."""
 
     def __init__(self, function: Callable, where: str, limit: ProgramLimit, feeds_argnum: int,
-                 stacked: bool = False, **options: Any):
+                 stacked: bool = False, identity: str | None = None, memo: Memo | None = None, **options: Any):
         self._function = function
         self._where = where
         self._limit = limit
         self._feeds_argnum = feeds_argnum
         self._stacked = stacked
         self._options = options
-        self._programs: OrderedDict[Signature, Any] = OrderedDict()
+        self._cache_name = None if identity is None else program_name(identity, function, options)
+        self._memo = memo
+        self._programs: OrderedDict[Signature, _Jitted] = OrderedDict()
         self._retired = 0  # programs compiled by evicted signatures' jits
         self._sizes: dict[tuple[str, int], list[int]] = {}  # (input, axis past the batch) -> sizes seen
         # The signature called last and its program: a training loop's every call after the first.
@@ -125,8 +266,13 @@ class Compiled:
         trim_after_long_compilations()
 
     def __call__(self, *args: Any) -> Any:
+        program = self._program(args[self._feeds_argnum])
+        watcher = getattr(_watching, "watcher", None)
         try:
-            return self._program(args[self._feeds_argnum])(*args)
+            if watcher is None or program.ready():
+                return program(*args)
+            with watcher.compiling(self._where):
+                return program(*args)
         except jax.errors.JaxRuntimeError as error:
             exhausted = out_of_memory(error, self._where)
             if exhausted is None:
@@ -137,15 +283,22 @@ class Compiled:
         """The program for these arguments, lowered but not compiled."""
         return self._program(args[self._feeds_argnum]).lower(*args)
 
+    def prepare(self, *args: Any) -> list[Callable[[], None]]:
+        """Get the program for these arguments ready without running it: loaded from the
+        executable cache, or traced and lowered now, its compile returned (a list of at most
+        one job, for the caller to run on any thread)."""
+        job = self._program(args[self._feeds_argnum]).prepare(args)
+        return [] if job is None else [job]
+
     def compilations(self) -> int:
         """Programs compiled so far, evicted ones included."""
         return self._retired + self.kept()
 
     def kept(self) -> int:
         """Programs held now: at most limit.max_programs signatures' worth."""
-        return sum(program._cache_size() for program in self._programs.values())
+        return sum(program.count() for program in self._programs.values())
 
-    def _program(self, feeds: Mapping[str, Any]) -> Any:
+    def _program(self, feeds: Mapping[str, Any]) -> _Jitted:
         key, last = signature(feeds), self._last
         if last is not None and last[0] == key:
             return last[1]
@@ -157,13 +310,13 @@ class Compiled:
         self._last = (key, program)
         return program
 
-    def _add(self, key: Signature, feeds: Mapping[str, Any]) -> Any:
+    def _add(self, key: Signature, feeds: Mapping[str, Any]) -> _Jitted:
         self._note_sizes(list(feeds), key)
         if len(self._programs) >= self._limit.max_programs:
             previous = next(reversed(self._programs))
             _, evicted = self._programs.popitem(last=False)
-            self._retired += evicted._cache_size()
-            evicted._clear_cache()
+            self._retired += evicted.count()
+            evicted.clear()
             self._limit.churn(self._where, list(feeds), previous, key, self._stacked)
 
         # A fresh function object per signature: JAX's trace and lowering caches are keyed on it
@@ -172,7 +325,10 @@ class Compiled:
         def fresh(*args: Any, **kwargs: Any) -> Any:
             return self._function(*args, **kwargs)
 
-        program = jit_with_options(fresh, **self._options)
+        jitted = jit_with_options(fresh, **self._options)
+        cache = self._limit.cache
+        program = (_Jitted(jitted) if cache is None or self._cache_name is None
+                   else _Cached(jitted, cache, self._cache_name, self._memo))
         self._programs[key] = program
         return program
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,6 +315,46 @@ class Core:
                     if len(run) > 1 else
                     runner.run(self._store, place.place_batch(owned(run[0]), where), settle_later=settle_later)
                     for run in same_signature_runs(checked)]
+
+    def compile(self, feeds: Mapping[str, Any], algorithm: int = 0) -> int:
+        """Compile, ahead of the first step, the programs that step(), fit() and evaluate()
+        run for batches shaped like `feeds`, and infer() for its inputs among them: each is
+        loaded from the executable cache where it is there, else traced, then compiled beside
+        the others in threads and stored. Nothing runs and no state changes.
+
+        Args:
+            feeds: an example batch (its values are not used, only its shapes and dtypes), as
+                step() takes it.
+            algorithm: which TrainingInfoProto's step.
+
+        Returns:
+            How many programs were compiled (0 when all were compiled or cached already).
+
+        Raises:
+            InputError: a feed does not fit the step's inputs.
+
+        Example:
+            >>> trainer.compile({"X": np.zeros((32, 784), np.float32), "labels": np.zeros(32, np.int64)})
+            3
+        """
+        runner = self._runner(algorithm)
+        with self._store.transaction():
+            placed = self._placed(runner, feeds)
+            jobs = runner.prepare(self._store, placed)
+            inputs = set(self._inference.check_feeds.names)
+            inference = {name: value for name, value in placed.items() if name in inputs}
+            if inputs <= set(inference):
+                checked = self._placement.replicate(self._inference.check_feeds(inference))
+                jobs += self._inference.prepare(self._store.values, checked, self._store.key)
+            evaluation = self._evaluations[algorithm]
+            if evaluation is not None:
+                checked = self._placement.replicate(evaluation.check_feeds(feeds))
+                jobs += evaluation.prepare(self._store.values, checked, self._store.key)
+            # XLA compiles without the GIL: the programs compile side by side.
+            with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+                for done in [pool.submit(job) for job in jobs]:
+                    done.result()
+        return len(jobs)
 
     def lowered(self, feeds: Mapping[str, Any], algorithm: int = 0) -> jax.stages.Lowered:
         """The single step step() compiles for `feeds`, lowered but not run: for reading its HLO."""

@@ -159,6 +159,16 @@ class FaultLedger:
         self._layout, faults = check(watched)
         return faults
 
+    def layout_record(self) -> list:
+        """The layout the last traced check left, as JSON values: stored with its program in the
+        executable cache."""
+        return [list(self._layout.names), list(self._layout.ends)]
+
+    def restore_layout(self, record: list) -> None:
+        """Take the layout of a program loaded from the executable cache instead of traced."""
+        names, ends = record
+        self._layout = EvidenceLayout(tuple(names), tuple(ends))
+
     def defer(self, outputs: Unsettled, faults: Faults | None) -> Unsettled:
         """`outputs` of a call that ran ahead, its faults queued for settle()."""
         if faults is None:

@@ -62,6 +62,12 @@ class GraphStep(Program):
         # What the tail reads that only the graph computes (the gradients, typically).
         self.tail_inputs = [name for name in self.tail.reads if name not in given]
 
+    @property
+    def identity(self) -> str:
+        """Names this step's programs in the executable cache: the model and the trainer's
+        options are the front end's part of the key, so the algorithm and what it returns."""
+        return f"{self.where} returning {self.returned}"
+
     def with_prediction(self) -> GraphStep | None:
         """This step returning its prediction too (sharing the translation), or None when the
         model names none."""

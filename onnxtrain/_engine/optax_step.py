@@ -63,6 +63,8 @@ class OptaxStep(Program):
         self.random = draws_random(self.translated.plan)
         self.loop_averse = False
         self.tail, self.tail_inputs = None, []
+        # The optimizer is Python, not model: nothing outside the program's trace names it.
+        self.identity = None
         self.prediction: str | None = None   # "prediction" in the copy with_prediction() makes
 
     def with_prediction(self) -> OptaxStep:

@@ -126,8 +126,13 @@ class InferenceProgram(Program):
         instead of the main graph (a subclass's graph that extends it)."""
         super().__init__(model, light_graph(model.graph if graph is None else graph, set(variables)), variables,
                          where, placement, feeds_where)
-        self._compiled = Compiled(self._traced_from_state_key, feeds_where, limit or ProgramLimit(), 1)
+        self._compiled = Compiled(self._traced_from_state_key, feeds_where, limit or ProgramLimit(), 1,
+                                  identity=self._identity())
         self._eager_signatures = EagerSignatures()
+
+    def _identity(self) -> str | None:
+        """Names the programs in the executable cache (the front end's key part names the model)."""
+        return "inference"
 
     def _traced_from_state_key(self, params: dict[str, Any], feeds: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         # The stream is folded in inside the program: done eagerly it costs more than a small
@@ -156,6 +161,21 @@ class InferenceProgram(Program):
         # Strings, and graphs that cannot be traced (the translated model says so, once): op by op.
         return self._eager(params, feeds, _inference_key(key))
 
+    def prepare(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array
+                ) -> list[Callable[[], None]]:
+        """Get run()'s program for `feeds` ready without running it (see Compiled.prepare): the
+        compiles left to run; none for a graph that runs op by op."""
+        if feeds in self._eager_signatures or _host_only(list(feeds.values())):
+            return []
+        with jax.enable_x64(True):
+            try:
+                return self._compiled.prepare(self.params(values), feeds, key)
+            except OnnxTrainError as error:
+                raise without_jax_notes(error)
+            except NeedsHostValues:
+                self._eager_signatures.add(feeds)
+                return []
+
     def compilations(self) -> int:
         return self._compiled.compilations() + super().compilations()
 
@@ -182,13 +202,19 @@ class EvaluationProgram(InferenceProgram):
         names: the names run() returns the loss and the prediction under."""
         graph = (model.graph if loss_part is None
                  else concatenated(model.graph.name, (model.graph, loss_part), set(variables)))
-        super().__init__(model, variables, placement, limit, graph, "evaluation", "evaluation")
         self.prediction, self.label = prediction, label
         self.names = names
         self._loss = None if loss_part is None else loss_part.output[0].name
         self._loss_function = loss_function
+        super().__init__(model, variables, placement, limit, graph, "evaluation", "evaluation")
         if loss_function is not None:
             self.check_feeds = FeedChecker([*self.declared_inputs, ValueInfoProto(name=label)], "evaluation")
+
+    def _identity(self) -> str | None:
+        # A JAX loss function is Python, not model: nothing outside the trace names it.
+        if self._loss_function is not None:
+            return None
+        return f"evaluation of {self.prediction!r} against {self.label!r} as {self.names}"
 
     def _graph_feeds(self, feeds: dict[str, Any]) -> dict[str, Any]:
         return feeds if self._loss_function is None else {n: v for n, v in feeds.items() if n != self.label}

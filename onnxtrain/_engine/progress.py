@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from statistics import fmean
 from typing import Any
 
@@ -69,11 +70,28 @@ class Progress:
     def __init__(self, level: int, epochs: int):
         self._level, self._epochs = level, epochs
         self._bar: Any = None
-        self._steps, self._started = 0, 0.0
+        self._steps, self._started, self._compiling = 0, 0.0, 0.0
+        self._label = ""
+
+    @contextmanager
+    def compiling(self, where: str) -> Iterator[None]:
+        """A program compiles (or loads) before a call runs: the bar says so meanwhile, and
+        its time per step leaves that time out; the epoch's line counts it apart."""
+        start = time.perf_counter()
+        if self._bar is not None:
+            self._bar.set_description(f"{self._label} (compiling)", refresh=True)
+        try:
+            yield
+        finally:
+            self._compiling += time.perf_counter() - start
+            if self._bar is not None:
+                self._bar.set_description(self._label, refresh=False)
+                self._bar.unpause()   # the clock restarts from the last drawing, before the compile
 
     def epoch_begin(self, epoch: int, total: int | None) -> None:
         """A new epoch of `total` steps (None: unknown)."""
-        self._steps, self._started = 0, time.perf_counter()
+        self._steps, self._started, self._compiling = 0, time.perf_counter(), 0.0
+        self._label = f"epoch {epoch + 1}/{self._epochs}"
         thread = threading.get_ident()
         for abandoned in [bar for bar, owner in list(_OPEN_BARS.items()) if owner == thread]:
             # Erased: its last drawing is already shown above the traceback of its fit.
@@ -84,7 +102,7 @@ class Progress:
             from tqdm import tqdm
 
             # Written to stdout as Keras does; a notebook shows stderr as a warning.
-            self._bar = tqdm(total=total, desc=f"epoch {epoch + 1}/{self._epochs}", unit="step",
+            self._bar = tqdm(total=total, desc=self._label, unit="step",
                              file=sys.stdout, leave=True)
             _OPEN_BARS[self._bar] = thread
 
@@ -104,7 +122,8 @@ class Progress:
             self.close()
         elif self._level == 2:
             seconds = time.perf_counter() - self._started
-            parts = [f"epoch {epoch + 1}/{self._epochs}", f"{self._steps} steps", f"{seconds:.1f}s",
+            compiled = [f"of which compiling {self._compiling:.1f}s"] if self._compiling >= 0.05 else []
+            parts = [self._label, f"{self._steps} steps", f"{seconds:.1f}s", *compiled,
                      *(f"{name}: {format_number(value)}" for name, value in logs.items())]
             print(" - ".join(parts), file=sys.stdout, flush=True)
 

@@ -40,7 +40,8 @@ class StepRunner:
         self._placement = placement
         self._plan: Plan | None = None
         self._eager_signatures = EagerSignatures()
-        self._dry_run = Compiled(self._outputs_only, f"{step.where} (evaluate)", limit, 3)
+        self._dry_run = Compiled(self._outputs_only, f"{step.where} (evaluate)", limit, 3,
+                                 identity=None if step.identity is None else f"{step.identity} (evaluate)")
 
     def _outputs_only(self, state: dict, key: Any, constants: dict, feeds: dict) -> dict:
         return self.step(state, key, constants, feeds)[2]
@@ -145,6 +146,15 @@ class StepRunner:
                 return eager()
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
+
+    def prepare(self, store: StateStore, feeds: dict[str, Any]) -> list[Callable[[], None]]:
+        """Get the programs of a single step and of fit's steps for `feeds` (checked and placed)
+        ready without running them: loaded, or traced now with their compiles returned."""
+        plan = self.plan(store)
+        # fit runs a checked step ahead of the host (see run); an unchecked one as step() does.
+        parts = [plan.single, *([plan.linked] if self.ledger.checked and plan.linked is not None else [])]
+        return self._compiled_or_eager(
+            feeds, lambda: [job for part in parts for job in part.prepare(store, feeds)], list)
 
     def lowered(self, store: StateStore, feeds: dict[str, Any]) -> jax.stages.Lowered:
         """The single step run() compiles for `feeds` (checked and placed), lowered but not run:

@@ -20,7 +20,7 @@ into one shape of program and commits the result through the store:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from onnxtrain._engine.batches import unstack
-from onnxtrain._engine.compiled import Compiled, ProgramLimit
+from onnxtrain._engine.compiled import Compiled, Memo, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Faults, any_fault
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
 from onnxtrain._engine.update_tail import UpdateTail
@@ -54,6 +54,7 @@ class StepFunction(Protocol):
     """What a strategy needs of a pure step function."""
 
     where: str
+    identity: str | None            # names its programs in the executable cache; None: not cached
     bound: tuple[str, ...]          # the state variables it updates
     random: bool                    # whether it draws random numbers (else no key in or out)
     loop_averse: bool               # whether XLA:CPU runs it slowly inside a loop
@@ -83,7 +84,10 @@ class _Strategy:
 
     def _jit(self, function: Any, feeds_argnum: int, stacked: bool = False, **options: Any) -> Compiled:
         """`function` jitted, one program per signature of its argument `feeds_argnum` (see Compiled)."""
-        jitted = Compiled(function, self.step.where, self.limit, feeds_argnum, stacked, **options)
+        identity = self.step.identity
+        jitted = Compiled(function, self.step.where, self.limit, feeds_argnum, stacked,
+                          identity=None if identity is None else f"{identity} ({type(self).__name__})",
+                          memo=Memo(self.ledger.layout_record, self.ledger.restore_layout), **options)
         self._jitted.append(jitted)
         return jitted
 
@@ -92,6 +96,12 @@ class _Strategy:
         key among the arguments costs every call Python-side handling. Committing None keeps
         the store's key."""
         return store.key if self.step.random else None
+
+    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+        """Get this strategy's single-step program for `feeds` ready without running it (see
+        Compiled.prepare): the compiles left to run. None by default: such programs compile at
+        their first call."""
+        return []
 
     def compilations(self) -> int:
         return sum(jitted.compilations() for jitted in self._jitted)
@@ -122,6 +132,9 @@ class InPlace(_Strategy):
     def lower(self, store: StateStore, feeds: dict) -> jax.stages.Lowered:
         return self._run.lower(store.values, self.key(store), self.step.constants, feeds)
 
+    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+        return self._run.prepare(store.values, self.key(store), self.step.constants, feeds)
+
 
 class DoubleBuffered(_Strategy):
     """Read the state, write the bound variables' new values into donated spare buffers (the
@@ -150,9 +163,15 @@ class DoubleBuffered(_Strategy):
         return outputs, None, key
 
     def lower(self, store: StateStore, feeds: dict) -> jax.stages.Lowered:
+        return self._run.lower(*self._arguments(store, feeds))
+
+    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+        return self._run.prepare(*self._arguments(store, feeds))
+
+    def _arguments(self, store: StateStore, feeds: dict) -> tuple:
+        """run()'s arguments, the bound values standing in for the spares (the same types)."""
         values = store.values
-        return self._run.lower(values, {name: values[name] for name in self.step.bound}, self.key(store),
-                               self.step.constants, feeds)
+        return values, {name: values[name] for name in self.step.bound}, self.key(store), self.step.constants, feeds
 
 
 class CheckThenUpdate(_Strategy):
@@ -231,6 +250,11 @@ class Linked(_Strategy):
     def _call(self, state: dict, spare: dict, key: Any, constants: dict, feeds: dict, accepting: Any) -> tuple:
         state, key, outputs, faults, accepting = _selecting_step(self, state, key, constants, feeds, accepting)
         return {name: state[name] for name in self.step.bound}, key, outputs, faults, accepting
+
+    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+        values = store.values
+        return self._run.prepare(values, {name: values[name] for name in self.step.bound}, self.key(store),
+                                 self.step.constants, feeds, self.ledger.accepting)
 
     def run_ahead(self, store: StateStore, feeds: dict, accepting: Any) -> tuple:
         """(outputs, faults, accepting) of one committed step."""

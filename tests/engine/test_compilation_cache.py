@@ -29,7 +29,8 @@ print(jax.config.jax_compilation_cache_dir)
 
 
 def _run(environment: dict[str, str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "ONNXTRAIN_COMPILATION_CACHE"} | environment
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONNXTRAIN_COMPILATION_CACHE", "ONNXTRAIN_EXECUTABLE_CACHE")} | environment
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]
@@ -39,11 +40,14 @@ def test_default_folder_is_the_user_cache_and_gets_entries(tmp_path):
     used = _run({"XDG_CACHE_HOME": str(tmp_path)})
     assert Path(used) == tmp_path / "onnxtrain" / "xla"
     assert any(Path(used).iterdir())
+    executables = tmp_path / "onnxtrain" / "executables"
+    assert any(executables.glob("*.executable")) and executables.stat().st_mode & 0o077 == 0
 
 
 def test_folder_can_be_moved_or_switched_off(tmp_path):
     assert Path(_run({"ONNXTRAIN_COMPILATION_CACHE": str(tmp_path / "c")})) == tmp_path / "c"
     assert any((tmp_path / "c").iterdir())
+    assert any((tmp_path / "c" / "executables").glob("*.executable"))
     assert _run({"ONNXTRAIN_COMPILATION_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "x")}) == "None"
     assert not (tmp_path / "x").exists()
 
@@ -114,8 +118,9 @@ print(json.dumps([events["/jax/compilation_cache/compile_requests_use_cache"],
 
 def test_a_warm_start_compiles_nothing(tmp_path):
     """Every program of a start is kept, the small ones too (the shape folding's, the state's
-    set-up): a second process with the same cache folder finds them all."""
-    env = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": str(tmp_path)}
+    set-up): a second process with the same cache folder finds them all. (With onnxtrain's
+    executable cache off: it would serve the step before JAX's cache is asked.)"""
+    env = {**os.environ, "ONNXTRAIN_COMPILATION_CACHE": str(tmp_path), "ONNXTRAIN_EXECUTABLE_CACHE": "off"}
     runs = [subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, env=env, timeout=300)
             for _ in range(2)]
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
