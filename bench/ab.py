@@ -29,7 +29,7 @@ runtime-only base environment would charge to onnxtrain.
 Usage: THIS/.venv/bin/python bench/ab.py (--base OTHER/.venv/bin/python | --same-process OTHER)
            [--pairs 48] [--block-s 0.25] [--row-s 120]
            [--processes 12] [--models mlp,cnn,transformer,mobilenet,resnet] [--modes step,step-unchecked,fit,fit-unchecked]
-           [--quick]
+           [--quick] [--cache FOLDER]
 Prints a table (no file is written: copy what matters to RESULTS.md).
 """
 
@@ -86,11 +86,11 @@ class Worker:
     """One side's resident lockstep.py process."""
 
     def __init__(self, python: Path, task: dict):
-        # No persistent compilation cache: a side that found its programs there would skip the
-        # compiler's memory peak, and its peak RSS would not compare with the other's.
+        # No persistent compilation cache unless --cache: a side that found its programs there
+        # would skip the compiler's memory peak, and its peak RSS would not compare with the other's.
         self.process = subprocess.Popen([str(python), str(BENCH / "systems" / "lockstep.py"), json.dumps(task)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env={**os.environ, "ONNXTRAIN_COMPILATION_CACHE": "off"})
+                                        text=True, env={**os.environ, "ONNXTRAIN_COMPILATION_CACHE": task["cache"]})
         self.ready = self._answer()
 
     def _answer(self) -> dict:
@@ -146,7 +146,7 @@ def _same_process(base_path: Path, task: dict, pairs: int, block_s: float, row_s
     """One same_process.py run: both sides in one process, `pairs` pairs of blocks."""
     job = {**task, "base_path": str(base_path), "base_package": BASE_PACKAGE, "pairs": pairs,
            "block_s": block_s, "row_s": row_s, "min_pairs": MIN_PAIRS, "warmup_s": WARMUP_S}
-    found = run.run_script(Path(sys.executable), "same_process.py", job, {"ONNXTRAIN_COMPILATION_CACHE": "off"})
+    found = run.run_script(Path(sys.executable), "same_process.py", job, {"ONNXTRAIN_COMPILATION_CACHE": task["cache"]})
     if "unavailable" in found:
         raise SystemExit(f"same-process {found['unavailable']}")
     ratios = [this / base for this, base in zip(found["times"]["this"], found["times"]["base"])]
@@ -245,6 +245,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=12,
                         help="fresh worker pairs per row, the pairs split among them")
     parser.add_argument("--quick", action="store_true", help="smoke run: mlp only, 5 short pairs")
+    parser.add_argument("--cache", type=Path,
+                        help="the workers' compilation cache folder (default: none); with it, every process after "
+                             "the first loads this side's programs from onnxtrain's executable cache")
     arguments = parser.parse_args()
     sides = {"this": Path(sys.executable), "base": arguments.base}
     names = ["mlp"] if arguments.quick else [m for m in arguments.models.split(",") if m]
@@ -264,7 +267,8 @@ def main() -> None:
             for mode in modes:
                 # The image models warm up one step: their first call compiles for tens of seconds.
                 warmup = STEPS_PER_CALL if "fit" in mode else 3
-                task = {"dir": folder, "model": name, "warmup": warmup, **MODES[mode]}
+                task = {"dir": folder, "model": name, "warmup": warmup, "cache": str(arguments.cache or "off"),
+                        **MODES[mode]}
                 found = compare(sides, task, pairs, block_s, arguments.row_s, processes)
                 if any(found["recompiled"].values()):
                     raise SystemExit(f"{name} {mode}: a worker compiled again while timed: {found['recompiled']}")
