@@ -156,6 +156,10 @@ class _Jitted:
         """Whether a call runs without compiling first."""
         return self._ahead or self._jitted._cache_size() > 0
 
+    def callable(self) -> Callable:
+        """What later calls may call directly, once one call has succeeded."""
+        return self._jitted
+
     def count(self) -> int:
         return max(self._jitted._cache_size(), int(self._ahead))
 
@@ -212,6 +216,9 @@ class _Cached(_Jitted):
     def ready(self) -> bool:
         return self._executable is not None
 
+    def callable(self) -> Callable:
+        return self._executable
+
     def count(self) -> int:
         return int(self._executable is not None)
 
@@ -261,18 +268,27 @@ class Compiled:
         self._programs: OrderedDict[Signature, _Jitted] = OrderedDict()
         self._retired = 0  # programs compiled by evicted signatures' jits
         self._sizes: dict[tuple[str, int], list[int]] = {}  # (input, axis past the batch) -> sizes seen
-        # The signature called last and its program: a training loop's every call after the first.
-        self._last: tuple[Signature, Any] | None = None
+        # The signature selected last and its program, and the signature called last and what
+        # JAX runs for it (None until a call has succeeded).
+        self._last: tuple[Signature, _Jitted] | None = None
+        self._ready: tuple[Signature, Callable] | None = None
         trim_after_long_compilations()
 
     def __call__(self, *args: Any) -> Any:
-        program = self._program(args[self._feeds_argnum])
-        watcher = getattr(_watching, "watcher", None)
+        feeds = args[self._feeds_argnum]
         try:
+            ready = self._ready
+            if ready is not None and ready[0] == signature(feeds):
+                return ready[1](*args)   # a training loop's every call after the first: straight to JAX
+            program = self._program(feeds)
+            watcher = getattr(_watching, "watcher", None)
             if watcher is None or program.ready():
-                return program(*args)
-            with watcher.compiling(self._where):
-                return program(*args)
+                result = program(*args)
+            else:
+                with watcher.compiling(self._where):
+                    result = program(*args)
+            self._ready = (self._last[0], program.callable())
+            return result
         except jax.errors.JaxRuntimeError as error:
             exhausted = out_of_memory(error, self._where)
             if exhausted is None:
@@ -317,6 +333,7 @@ class Compiled:
             _, evicted = self._programs.popitem(last=False)
             self._retired += evicted.count()
             evicted.clear()
+            self._ready = None
             self._limit.churn(self._where, list(feeds), previous, key, self._stacked)
 
         # A fresh function object per signature: JAX's trace and lowering caches are keyed on it
