@@ -198,3 +198,26 @@ def test_first_step_worker_compiles_cold_and_loads_warm_from_the_cache(monkeypat
     assert cold["compile_s"] > 0 and cold["cache_retrieval_s"] == 0
     assert warm["cache_retrieval_s"] > 0
     assert any(cache.iterdir())
+
+
+@pytest.mark.slow
+def test_startup_benchmark_times_cold_and_warm_starts_of_a_zoo_export():
+    """bench/startup.py on one small zoo export: its row has the three new-process starts and
+    torch eager's first step."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--encoder-layers",
+                           "--family", "autoencoder", "--exporter", "torchscript"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    header, _, row = done.stdout.strip().splitlines()
+    assert header.split("|")[3:-1] == [" cold s ", " warm s ", " warm, JAX cache only s ", " torch first step s "]
+    values = [float(cell) for cell in row.split("|")[3:-1]]
+    assert row.startswith("| autoencoder | torchscript |") and all(value > 0 for value in values), row
+
+
+def test_repeated_layers_benchmark_lowers_a_stack_four_ways():
+    from support.bench_modules import bench_module
+
+    rows = bench_module("repeated_layers").measure(2, rounds=1, calls=1)
+    assert list(rows) == ["unrolled", "nested jit", "scan", "scan, unroll 2"]
+    assert rows["unrolled"]["step / unrolled"] == 1.0
+    assert all(row["compile s"] > 0 and row["step ms"] > 0 for row in rows.values())
