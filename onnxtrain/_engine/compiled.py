@@ -176,23 +176,19 @@ class _Cached(_Jitted):
         super().__init__(jitted)
         self._cache, self._name, self._memo = cache, name, memo
         self._executable: Any = None
-        self._loaded = False
 
     def __call__(self, *args: Any) -> Any:
         if self._executable is None:
             compile_now = self.prepare(args)
             if compile_now is not None:
                 compile_now()
-        if self._loaded:
-            self._loaded = False
-            try:
-                return self._executable(*args)
-            except TypeError as error:
-                # The arguments do not match what the entry was stored for (a key part this
-                # cache cannot see): JAX refuses them before running anything, so trace instead.
-                logger.debug("executable cache: a loaded program refused its arguments (%s)", error)
-                self._compile(self._jitted.lower(*args), self._cache.parts(self._name, args))
-        return self._executable(*args)
+        try:
+            return self._executable(*args)
+        except TypeError as error:
+            # Arguments past the feeds of other types than the program was made for (JAX checks
+            # them before running anything): jax.jit traces and compiles for them instead.
+            logger.debug("executable cache: a program refused its arguments (%s)", error)
+            return self._jitted(*args)
 
     def prepare(self, args: tuple) -> Callable[[], None] | None:
         if self._executable is not None:
@@ -202,7 +198,7 @@ class _Cached(_Jitted):
         if entry is not None:
             if self._memo is not None:
                 self._memo.restore(entry.memo)
-            self._executable, self._loaded = entry.executable, True
+            self._executable = entry.executable
             return None
         lowered = self._jitted.lower(*args)
         return lambda: self._compile(lowered, parts)
@@ -211,7 +207,7 @@ class _Cached(_Jitted):
         with fresh_compiles():
             executable = lowered.compile()
         self._cache.cache.store(parts, executable, None if self._memo is None else self._memo.save())
-        self._executable, self._loaded = executable, False
+        self._executable = executable
 
     def ready(self) -> bool:
         return self._executable is not None
@@ -279,7 +275,10 @@ class Compiled:
         try:
             ready = self._ready
             if ready is not None and ready[0] == signature(feeds):
-                return ready[1](*args)   # a training loop's every call after the first: straight to JAX
+                try:
+                    return ready[1](*args)   # a training loop's every call after the first: straight to JAX
+                except TypeError:
+                    self._ready = None   # other argument types than before: the program's own call decides
             program = self._program(feeds)
             watcher = getattr(_watching, "watcher", None)
             if watcher is None or program.ready():

@@ -303,3 +303,23 @@ def test_a_new_process_loads_the_step_instead_of_tracing_it(tmp_path):
     (cold, warm) = results
     assert cold["loss"] == warm["loss"]
     assert cold["traces"] >= warm["traces"] + 1, results
+
+
+def test_a_cached_program_given_other_argument_types_runs_through_jax_jit(cache_folder):
+    """The program is chosen by its feeds' signature; an argument past the feeds that changes
+    type (here a weakly typed scalar, then a float64 one) is refused by the executable before
+    it runs, and jax.jit compiles for it instead."""
+    from onnxtrain._engine.compiled import Compiled, ProgramLimit
+    from onnxtrain._engine.executable_cache import ProgramCache
+
+    cache = ProgramCache(compilation_cache.executable_cache(), "front")
+    for attempt in range(2):   # compiled and stored, then loaded
+        program = Compiled(lambda scale, feeds: feeds["x"] * scale, "test", ProgramLimit(cache=cache), 1,
+                           identity="scaled")
+        x = {"x": np.arange(3, dtype=np.float32)}
+        np.testing.assert_array_equal(program(np.float32(2), x), [0, 2, 4])
+        np.testing.assert_array_equal(program(np.float32(3), x), [0, 3, 6])
+        with jax.enable_x64(True):
+            np.testing.assert_array_equal(program(np.float64(0.5), x), [0, 0.5, 1])
+        np.testing.assert_array_equal(program(np.float32(4), x), [0, 4, 8])
+        assert len(entries(cache_folder)) == 1
