@@ -7,7 +7,7 @@ Each model runs in three new processes, one after the other, sharing one cache f
 - warm: the caches the cold run filled (onnxtrain's executable cache and JAX's);
 - warm, JAX's cache only: ONNXTRAIN_EXECUTABLE_CACHE=off in a folder whose JAX cache holds
   the programs (the start-up before the executable cache, measured in the same session).
-torch eager's first step is timed in this process on the model just built (forward,
+torch eager's first step (in ms) is timed in this process on the model just built (forward,
 backward and an Adam step; import and model construction not counted).
 
 Models: the zoo's exports (scripts/export_zoo.py, batch 4) and BERT-style encoders (hidden
@@ -91,7 +91,7 @@ def zoo_rows(families: list[str] | None, exporters: list[str] | None, folder: Pa
             print(f"{name} ({exporter}): not measured: {error}", file=sys.stderr)
             continue
         if not name.startswith("sk_"):
-            row["torch first step s"] = torch_first_step(zoo_checks.torch_training_model(family),
+            row["torch first step ms"] = 1e3 * torch_first_step(zoo_checks.torch_training_model(family),
                                                          list(samples.values()), labels, family.loss)
         rows[f"{name} | {exporter}"] = row
         print(f"{name} | {exporter}: {row}", file=sys.stderr)
@@ -134,7 +134,7 @@ def encoder_rows(depths: list[int], folder: Path) -> dict[str, dict]:
                               input_names=["input_ids", "attention_mask"], output_names=["logits"])
         row = starts({"path": str(path), "loss": "cross_entropy", "output": "logits"},
                      {"input_ids": ids, "attention_mask": mask, "labels": labels})
-        row["torch first step s"] = torch_first_step(encoder(layers), [ids, mask], labels, "cross_entropy")
+        row["torch first step ms"] = 1e3 * torch_first_step(encoder(layers), [ids, mask], labels, "cross_entropy")
         rows[f"BERT-style encoder, {layers} layers | dynamo"] = row
         print(f"encoder {layers}: {row}", file=sys.stderr)
     return rows

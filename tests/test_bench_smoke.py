@@ -209,7 +209,7 @@ def test_startup_benchmark_times_cold_and_warm_starts_of_a_zoo_export():
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     header, _, row = done.stdout.strip().splitlines()
-    assert header.split("|")[3:-1] == [" cold s ", " warm s ", " warm, JAX cache only s ", " torch first step s "]
+    assert header.split("|")[3:-1] == [" cold s ", " warm s ", " warm, JAX cache only s ", " torch first step ms "]
     values = [float(cell) for cell in row.split("|")[3:-1]]
     assert row.startswith("| autoencoder | torchscript |") and all(value > 0 for value in values), row
 
