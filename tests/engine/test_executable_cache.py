@@ -323,3 +323,25 @@ def test_a_cached_program_given_other_argument_types_runs_through_jax_jit(cache_
             np.testing.assert_array_equal(program(np.float64(0.5), x), [0, 0.5, 1])
         np.testing.assert_array_equal(program(np.float32(4), x), [0, 4, 8])
         assert len(entries(cache_folder)) == 1
+
+
+def test_a_loaded_random_step_draws_what_the_traced_one_drew(cache_folder, traces):
+    """Dropout's key is an argument like any other: the loaded program advances the state's
+    key and draws the same masks as the program it was stored from."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Dropout", ["h", "ratio", "on"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+                              [numpy_helper.from_array(rng.normal(size=(6, 3)).astype(np.float32), "W"),
+                               numpy_helper.from_array(np.float32(0.5), "ratio"),
+                               numpy_helper.from_array(np.bool_(True), "on")])
+    model = onnxtrain.make_training_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                            ir_version=9), loss="mse")
+    feeds = {"x": rng.normal(size=(4, 6)).astype(np.float32), "labels": np.ones((4, 3), np.float32)}
+    runs = []
+    for _ in range(2):
+        trainer = onnxtrain.Trainer(model, seed=3)
+        before = traces()
+        runs.append([float(trainer.step(feeds)["loss"]) for _ in range(4)])
+    assert traces() - before <= 2
+    assert runs[0] == runs[1] and len(set(runs[0])) == 4, runs
