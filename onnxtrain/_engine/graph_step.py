@@ -18,8 +18,8 @@ from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
 from onnxtrain._engine.programs import Program, checked_assignment
 from onnxtrain._engine.update_tail import update_tail
 from onnxtrain._recipe.evaluation import read as read_loss_specs
-from onnxtrain._recipe.training_info import combined_graph
 from onnxtrain.proto import ModelProto
+from onnxtrain.proto.graphs import combined_graph
 from onnxtrain.translate.graph import any_node, draws_random
 from onnxtrain.translate.node import NodeSpec
 from onnxtrain.translate.registry import DEFAULT_DOMAIN, normalize_domain

@@ -21,9 +21,9 @@ from onnxtrain._engine.feeds import FeedChecker
 from onnxtrain._engine.placement import Placement
 from onnxtrain._engine.programs import Program, checked_assignment
 from onnxtrain._recipe.objective import Objective
-from onnxtrain._recipe.training_info import concatenated
 from onnxtrain.errors import ModelLoadError
 from onnxtrain.proto import ModelProto, ValueInfoProto
+from onnxtrain.proto.graphs import concatenated
 from onnxtrain.translate.graph import draws_random
 from onnxtrain.translate.layouts import row_major
 

@@ -19,9 +19,9 @@ from onnxtrain._engine.feeds import FeedChecker
 from onnxtrain._engine.labels import with_label_check
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement, host_value
 from onnxtrain._recipe.evaluation import loss_part, read as read_loss_specs
-from onnxtrain._recipe.training_info import concatenated, light_graph, model_of
 from onnxtrain.errors import BindingError, OnnxTrainError, without_jax_notes
 from onnxtrain.proto import GraphProto, ModelProto, ValueInfoProto
+from onnxtrain.proto.graphs import concatenated, light_graph, model_of
 from onnxtrain.translate.graph import initializer_names
 # _host_only: the one definition of the values XLA cannot take (strings, 6-bit floats).
 from onnxtrain.translate.model import EagerSignatures, TranslatedModel, _host_only, static_input_names

@@ -14,9 +14,9 @@ import hashlib
 from collections.abc import Callable
 
 from onnxtrain._io import mapped
-from onnxtrain._io.export import KEY_METADATA
 from onnxtrain._io.model import stored_bytes
 from onnxtrain.proto import GraphProto, ModelProto, TensorProto
+from onnxtrain.proto.metadata import KEY_METADATA
 from onnxtrain.proto.walk import iter_graphs
 
 _GRAPH_PARTS = ("node", "input", "output", "value_info", "quantization_annotation", "sparse_initializer")

@@ -15,13 +15,12 @@ import jax
 import numpy as np
 
 from onnxtrain._io.model import save_model
-from onnxtrain._recipe.evaluation import EVALUATION_KEY
-from onnxtrain._recipe.training_info import light_graph
 from onnxtrain.errors import BindingError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, StringStringEntryProto
+from onnxtrain.proto.graphs import light_graph
+from onnxtrain.proto.metadata import EVALUATION_KEY, KEY_METADATA
 from onnxtrain.translate.tensors import numpy_to_tensor
 
-KEY_METADATA = "onnxtrain.prng_key"
 # Where a value lives in the model: None for the main graph, else the index of the
 # TrainingInfoProto whose algorithm graph holds it.
 Home = Mapping[str, "int | None"]

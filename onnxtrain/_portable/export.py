@@ -14,14 +14,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from onnxtrain._io.export import KEY_METADATA
 from onnxtrain._portable.backward import GRADIENT_DOMAINS, expand_gradients
 from onnxtrain._portable.manifest import MANIFEST_KEY, StepManifest
 from onnxtrain._portable.optimizers import OPTIMIZER_DOMAINS, expand_optimizers
-from onnxtrain._recipe.evaluation import EVALUATION_KEY
 from onnxtrain.errors import ExportError
 from onnxtrain.proto import (GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto,
                              ValueInfoProto)
+from onnxtrain.proto.metadata import EVALUATION_KEY, KEY_METADATA
 from onnxtrain.translate.graph import graph_initializers
 from onnxtrain.translate.tensors import data_type_of, element_type, numpy_to_tensor
 

@@ -22,11 +22,11 @@ import logging
 from dataclasses import asdict, dataclass
 
 from onnxtrain.proto import AttributeProto, GraphProto, ModelProto, NodeProto, StringStringEntryProto
+from onnxtrain.proto.metadata import EVALUATION_KEY
 from onnxtrain.translate.graph import initializer_names
 
 logger = logging.getLogger("onnxtrain")
 
-EVALUATION_KEY = "onnxtrain.evaluation"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-from onnxtrain._recipe.evaluation import EVALUATION_KEY, read
+from onnxtrain._recipe.evaluation import read
+from onnxtrain.proto.metadata import EVALUATION_KEY
 from support.training_models import linreg_model, LINREG_FEEDS
 
 CLASSES = 5
