@@ -150,14 +150,9 @@ class InferenceProgram(Program):
         kept), op by op where the graph cannot be traced. Random ops draw from the inference
         stream of `key`, the state's key."""
         params = self.params(values)
-        if feeds not in self._eager_signatures and not _host_only(list(feeds.values())):
-            with jax.enable_x64(True):
-                try:
-                    return self._compiled(params, feeds, key)
-                except OnnxTrainError as error:
-                    raise without_jax_notes(error)
-                except NeedsHostValues:
-                    self._eager_signatures.add(feeds)
+        outputs = self._if_traceable(feeds, lambda: self._compiled(params, feeds, key))
+        if outputs is not None:
+            return outputs
         # Strings, and graphs that cannot be traced (the translated model says so, once): op by op.
         return self._eager(params, feeds, _inference_key(key))
 
@@ -165,16 +160,20 @@ class InferenceProgram(Program):
                 ) -> list[Callable[[], None]]:
         """Get run()'s program for `feeds` ready without running it (see Compiled.prepare): the
         compiles left to run; none for a graph that runs op by op."""
+        return self._if_traceable(feeds, lambda: self._compiled.prepare(self.params(values), feeds, key)) or []
+
+    def _if_traceable(self, feeds: dict[str, Any], traced: Callable[[], Any]) -> Any:
+        """traced() under x64, or None for feeds the graph cannot be traced for (remembered)."""
         if feeds in self._eager_signatures or _host_only(list(feeds.values())):
-            return []
+            return None
         with jax.enable_x64(True):
             try:
-                return self._compiled.prepare(self.params(values), feeds, key)
+                return traced()
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
             except NeedsHostValues:
                 self._eager_signatures.add(feeds)
-                return []
+                return None
 
     def compilations(self) -> int:
         return self._compiled.compilations() + super().compilations()
