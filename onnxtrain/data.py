@@ -394,10 +394,12 @@ def short_probe(batches: Any, first: Mapping[str, Any]) -> tuple[int, dict[str, 
 
 
 class FitData(NamedTuple):
-    """What fit runs: the training batches and the evaluation batches (or None)."""
+    """What fit runs: the training batches, the evaluation batches (or None), and evaluation
+    batches of each shape known ahead (the first, the short last one), for compiling early."""
 
     train: Iterable[dict[str, Any]]
     eval: Iterable[dict[str, Any]] | None
+    eval_shapes: tuple[dict[str, Any], ...] = ()
 
 
 def _length(source: Any) -> int | None:
@@ -486,7 +488,8 @@ def fit_data(data: Data, inputs: Sequence[str], *, eval_data: Data | None = None
             first evaluation batch here, so a wrong eval_data fails before training starts.
 
     Returns:
-        FitData(train, eval): re-iterable batches of feed dicts (eval None without eval data).
+        FitData(train, eval, eval_shapes): re-iterable batches of feed dicts (eval None without
+        eval data), and the evaluation batches of each shape known ahead.
 
     Raises:
         InputError: what the data or an option is wrong about, naming the argument: no data or
@@ -534,11 +537,13 @@ def fit_data(data: Data, inputs: Sequence[str], *, eval_data: Data | None = None
                                         lambda name, value: value, "eval_data")
         else:
             eval_batches = _batches_of(eval_data, inputs, "eval_data", epochs)
+    shapes: tuple[dict[str, Any], ...] = ()
     if eval_batches is not None and check is not None:
         # The first evaluation batch is checked now, not after an epoch of training, and so is
         # the shape of a short last one.
         first = eval_batches.first() if isinstance(eval_batches, FeedBatches) else next(iter(eval_batches))
         check(first)
+        shapes = (first,)
         probe = short_probe(eval_batches, first)
         if probe is not None:
             try:
@@ -547,4 +552,5 @@ def fit_data(data: Data, inputs: Sequence[str], *, eval_data: Data | None = None
                 raise InputError(f"eval_data ends in a batch of {probe[0]} rows, which the model refuses "
                                  f"(found before training): {error}. Evaluation keeps every row, so for "
                                  "eval_data pass a number of rows the batch size divides") from None
-    return FitData(train_batches, eval_batches)
+            shapes += (probe[1],)
+    return FitData(train_batches, eval_batches, shapes)

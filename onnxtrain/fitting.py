@@ -17,6 +17,7 @@ each step; what fit prints follows Keras's verbose levels (onnxtrain._engine.pro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -96,12 +97,13 @@ def _without_short_last(batches: Iterable[Feeds]) -> Iterator[Feeds]:
 
 
 def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_last: bool,
-              probe: bool) -> Iterator[Feeds]:
+              probe: bool, ahead: Callable[[list[Feeds]], None] | None = None) -> Iterator[Feeds]:
     """Each batch through prepare. Under drop_last, a last batch whose batch size differs from
     the first's is left out even where prepare refuses it (a model exported for one batch
     size); refused anywhere else, it raises. With probe and without drop_last, a short last
     batch known ahead (see onnxtrain.data.short_probe) is checked with the first batch, so a
-    step that refuses it fails before any step has run, not at the end of an epoch."""
+    step that refuses it fails before any step has run, not at the end of an epoch; then,
+    with probe, ahead(the first batch and that short one, checked) runs before the first yield."""
     first_rows, refused = None, None
     for feeds in batches:
         if refused is not None:
@@ -115,22 +117,29 @@ def _prepared(batches: Iterable[Feeds], prepare: Callable[[Feeds], Feeds], drop_
             continue
         if first_rows is None:
             first_rows = _rows(checked)
-            if probe and not drop_last:
-                _check_short_last(batches, feeds, prepare)
+            short = _check_short_last(batches, feeds, prepare) if probe and not drop_last else None
+            if probe and ahead is not None:
+                ahead([checked] if short is None else [checked, short])
         yield checked
 
 
-def _check_short_last(batches: Iterable[Feeds], first: Feeds, prepare: Callable[[Feeds], Feeds]) -> None:
-    """prepare() on `first` cut to the rows of the short batch known to end each epoch, if any."""
+def _check_short_last(batches: Iterable[Feeds], first: Feeds, prepare: Callable[[Feeds], Feeds]) -> Feeds | None:
+    """prepare() on `first` cut to the rows of the short batch known to end each epoch, if any:
+    what it returns."""
     found = short_probe(batches, first)
     if found is None:
-        return
+        return None
     rows, probe = found
     try:
-        prepare(probe)
+        return prepare(probe)
     except InputError as error:
         raise InputError(f"every epoch ends in a batch of {rows} rows, which the training step refuses "
                          f"(found before the first step; nothing has trained): {error}") from None
+
+
+def _compiling(display: Progress, ahead: Callable[[list[Feeds]], None], known: list[Feeds]) -> None:
+    with display.compiling("fit"):
+        ahead(known)
 
 
 def _other_rows(feeds: Feeds, rows: list[tuple[int, ...]]) -> bool:
@@ -183,7 +192,8 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
         evaluate: Callable[[Feeds], tuple[Mapping[str, Any], Mapping[str, Any]]] | None = None,
         eval_data: Batches | None = None, steps_per_call: int = 1, drop_last: bool = False,
         prepare: Callable[[Feeds], Feeds] = lambda feeds: feeds, metrics: MetricSet | None = None, *,
-        verbose: int | str | None = None, trainer: Any = None) -> dict[str, list[float]]:
+        verbose: int | str | None = None, trainer: Any = None,
+        ahead: Callable[[list[Feeds]], None] | None = None) -> dict[str, list[float]]:
     """Run `run_steps` over `batches`, `steps_per_call` batches at a time, for `epochs` epochs.
 
     run_steps(chunk) runs one step per batch of the chunk and returns their outputs, as parts
@@ -196,6 +206,9 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     computed from each step's output metrics.prediction and feed metrics.label. verbose
     (progress=False is 0): see onnxtrain._engine.progress. callbacks: Callback objects or
     functions (epoch, logs) -> True to stop; `trainer` is what their on_train_begin receives.
+    ahead(batches) gets the programs ready that the first epoch will run, given its first
+    batch and the short last one known ahead (checked), before the first step; the bar says
+    "compiling" meanwhile.
     A stop asked for by a step hook ends the epoch after the chunk already dispatched.
 
     Returns:
@@ -214,6 +227,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
     skip = () if metrics is None or metrics.prediction is None else (metrics.prediction,)
     history: dict[str, list[float]] = {}
     logs: dict[str, float] = {}
+    shown_ahead = None if ahead is None else functools.partial(_compiling, display, ahead)
     hooks.train_begin()
     # A compile shows on the bar as such, not as a slow step.
     with watching_compiles(display):
@@ -245,7 +259,7 @@ def fit(run_steps: Callable[[list[Feeds]], Sequence[Mapping[str, Any]]],
 
             pending = None
             # Each batch checked and converted as it arrives, so what a chunk holds is what runs.
-            steps = _prepared(epoch_batches, prepare, drop_last, probe=epoch == 0)
+            steps = _prepared(epoch_batches, prepare, drop_last, probe=epoch == 0, ahead=shown_ahead)
             for chunk in _chunks(_without_short_last(steps) if drop_last else steps, steps_per_call):
                 # Labels are copied now: a loader may refill their buffer before the outputs come back.
                 labels = [np.array(feeds[metrics.label]) for feeds in chunk] if metrics else []

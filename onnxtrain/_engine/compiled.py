@@ -124,6 +124,18 @@ class Memo:
     restore: Callable[[Any], None]
 
 
+@dataclass(frozen=True)
+class Job:
+    """Getting one program ready, on any thread (XLA loads and compiles without the GIL):
+    loading it from the executable cache, or compiling it once traced."""
+
+    run: Callable[[], None]
+    loads: bool = False
+
+    def __call__(self) -> None:
+        self.run()
+
+
 class _Jitted:
     """One signature's program, traced, lowered and compiled by jax.jit at its first call (or
     ahead of it, by prepare)."""
@@ -139,9 +151,9 @@ class _Jitted:
     def lower(self, *args: Any) -> Any:
         return self._jitted.lower(*args)
 
-    def prepare(self, args: tuple) -> Callable[[], None] | None:
-        """Trace and lower for `args` now; return the compile, which may run on any thread
-        (XLA releases the GIL), or None when there is nothing to compile."""
+    def prepare(self, args: tuple) -> Job | None:
+        """Trace and lower for `args` now; return the compile, or None when there is nothing
+        to compile."""
         if self.ready():
             return None
         lowered = self._jitted.lower(*args)
@@ -150,7 +162,7 @@ class _Jitted:
             lowered.compile()   # jax.jit's next call with these arguments finds it compiled
             self._ahead = True
 
-        return compile_ahead
+        return Job(compile_ahead)
 
     def ready(self) -> bool:
         """Whether a call runs without compiling first."""
@@ -179,9 +191,11 @@ class _Cached(_Jitted):
 
     def __call__(self, *args: Any) -> Any:
         if self._executable is None:
-            compile_now = self.prepare(args)
-            if compile_now is not None:
-                compile_now()
+            job = self.prepare(args)
+            if job is not None:
+                job()
+            if self._executable is None:   # its entry was refused on loading (said once): compile
+                self._lowered(args, self._cache.parts(self._name, args))()
         try:
             return self._executable(*args)
         except TypeError as error:
@@ -190,23 +204,32 @@ class _Cached(_Jitted):
             logger.debug("executable cache: a program refused its arguments (%s)", error)
             return self._jitted(*args)
 
-    def prepare(self, args: tuple) -> Callable[[], None] | None:
+    def prepare(self, args: tuple) -> Job | None:
+        """A stored program's load, or else its compile after tracing now."""
         if self._executable is not None:
             return None
         parts = self._cache.parts(self._name, args)
+        if self._cache.cache.holds(parts):
+            return Job(lambda: self._load(parts), loads=True)
+        return self._lowered(args, parts)
+
+    def _load(self, parts: dict[str, str]) -> None:
         entry = self._cache.cache.load(parts)
         if entry is not None:
             if self._memo is not None:
                 self._memo.restore(entry.memo)
             self._executable = entry.executable
-            return None
-        lowered = self._jitted.lower(*args)
-        return lambda: self._compile(lowered, parts)
 
-    def _compile(self, lowered: Any, parts: dict[str, str]) -> None:
+    def _lowered(self, args: tuple, parts: dict[str, str]) -> Job:
+        lowered = self._jitted.lower(*args)
+        # Taken now: tracing another program before this one compiles would leave its memo instead.
+        memo = None if self._memo is None else self._memo.save()
+        return Job(lambda: self._compile(lowered, parts, memo))
+
+    def _compile(self, lowered: Any, parts: dict[str, str], memo: Any) -> None:
         with fresh_compiles():
             executable = lowered.compile()
-        self._cache.cache.store(parts, executable, None if self._memo is None else self._memo.save())
+        self._cache.cache.store(parts, executable, memo)
         self._executable = executable
 
     def ready(self) -> bool:
@@ -298,10 +321,10 @@ class Compiled:
         """The program for these arguments, lowered but not compiled."""
         return self._program(args[self._feeds_argnum]).lower(*args)
 
-    def prepare(self, *args: Any) -> list[Callable[[], None]]:
-        """Get the program for these arguments ready without running it: loaded from the
-        executable cache, or traced and lowered now, its compile returned (a list of at most
-        one job, for the caller to run on any thread)."""
+    def prepare(self, *args: Any) -> list[Job]:
+        """Get the program for these arguments ready without running it: its load from the
+        executable cache, or its compile once traced now (a list of at most one job, for the
+        caller to run on any thread)."""
         job = self._program(args[self._feeds_argnum]).prepare(args)
         return [] if job is None else [job]
 

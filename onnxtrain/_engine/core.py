@@ -9,6 +9,7 @@ sharing one trainer each get whole calls applied in some order. A step's path:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from onnxtrain._engine.batches import same_signature_runs, stack
-from onnxtrain._engine.compiled import ProgramLimit
+from onnxtrain._engine.compiled import Job, ProgramLimit
 from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.placement import Placement, host_value
 from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Program, host_copy
@@ -287,10 +288,13 @@ class Core:
                         check=lambda feeds: check(feeds, copy=False))
         measured = self._metric_set(algorithm, metrics)
         runner = self._measuring_runner(algorithm) if measured else self._runner(algorithm)
+        # The first epoch's programs load or compile side by side before its first step; a
+        # chunk of several steps runs a program of its own, compiled when first met.
+        ahead = functools.partial(self._get_ready, runner, algorithm, evaluations=data.eval_shapes, fitting=True)
         return fit(lambda chunk: self._run_steps(chunk, algorithm, settle_later=True, runner=runner), data.train,
                    epochs, progress, callbacks, lambda feeds: self._evaluate_batch(feeds, algorithm), data.eval,
                    steps_per_call, drop_last, lambda feeds: check(feeds, copy=False), measured, verbose=verbose,
-                   trainer=self)
+                   trainer=self, ahead=lambda known: ahead(known if steps_per_call == 1 else []))
 
     def _data_seed(self) -> list[int]:
         """The shuffle's seed, drawn from the state's PRNG key (which each step advances)."""
@@ -319,8 +323,9 @@ class Core:
     def compile(self, feeds: Mapping[str, Any], algorithm: int = 0) -> int:
         """Compile, ahead of the first step, the programs that step(), fit() and evaluate()
         run for batches shaped like `feeds`, and infer() for its inputs among them: each is
-        loaded from the executable cache where it is there, else traced, then compiled beside
-        the others in threads and stored. Nothing runs and no state changes.
+        loaded from the executable cache where it is there, else traced, then compiled and
+        stored; loads and compiles run side by side in threads. Nothing runs and no state
+        changes.
 
         Args:
             feeds: an example batch (its values are not used, only its shapes and dtypes), as
@@ -337,24 +342,31 @@ class Core:
             >>> trainer.compile({"X": np.zeros((32, 784), np.float32), "labels": np.zeros(32, np.int64)})
             3
         """
-        runner = self._runner(algorithm)
+        return self._get_ready(self._runner(algorithm), algorithm, [feeds], [feeds])
+
+    def _get_ready(self, runner: StepRunner, algorithm: int, steps: Sequence[Mapping[str, Any]],
+                   evaluations: Sequence[Mapping[str, Any]], fitting: bool = False) -> int:
+        """Load or compile the programs `runner` steps each batch of `steps` with (with
+        `fitting`, fit's only; else step()'s, fit's and infer()'s of the inputs among the first
+        batch) and evaluation each batch of `evaluations` with. Tracing runs on this thread;
+        loads and compiles side by side in threads. Returns how many programs were compiled."""
+        jobs: list[Job] = []
         with self._store.transaction():
-            placed = self._placed(runner, feeds)
-            jobs = runner.prepare(self._store, placed)
+            for feeds in steps:
+                jobs += runner.prepare(self._store, self._placed(runner, feeds, copy=False), fitting)
             inputs = set(self._inference.check_feeds.names)
-            inference = {name: value for name, value in placed.items() if name in inputs}
-            if inputs <= set(inference):
-                checked = self._placement.replicate(self._inference.check_feeds(inference))
+            given = {name: value for name, value in steps[0].items() if name in inputs} if steps else {}
+            if not fitting and steps and inputs <= set(given):
+                checked = self._placement.replicate(self._inference.check_feeds(given))
                 jobs += self._inference.prepare(self._store.values, checked, self._store.key)
             evaluation = self._evaluations[algorithm]
-            if evaluation is not None:
+            for feeds in evaluations if evaluation is not None else ():
                 checked = self._placement.replicate(evaluation.check_feeds(feeds))
                 jobs += evaluation.prepare(self._store.values, checked, self._store.key)
-            # XLA compiles without the GIL: the programs compile side by side.
             with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
                 for done in [pool.submit(job) for job in jobs]:
                     done.result()
-        return len(jobs)
+        return sum(not job.loads for job in jobs)
 
     def lowered(self, feeds: Mapping[str, Any], algorithm: int = 0) -> jax.stages.Lowered:
         """The single step step() compiles for `feeds`, lowered but not run: for reading its HLO."""

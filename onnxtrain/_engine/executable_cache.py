@@ -194,6 +194,10 @@ class ExecutableCache:
         """The entry name of these key parts."""
         return hashlib.sha256(json.dumps(dict(parts), sort_keys=True).encode()).hexdigest()
 
+    def holds(self, parts: Mapping[str, str]) -> bool:
+        """Whether an entry is stored under `parts` (not yet whether it will load)."""
+        return (self.folder / f"{self.key(parts)}{SUFFIX}").is_file()
+
     def load(self, parts: Mapping[str, str]) -> Entry | None:
         """The entry stored under `parts`, or None (a miss, or an entry refused with one warning
         and removed)."""

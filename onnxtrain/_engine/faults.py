@@ -130,8 +130,9 @@ class Stacked(Unsettled):
 
 
 class FaultLedger:
-    """One step function's NaN/Inf policy, the layout its check traced, and the faults of
-    calls that ran ahead of the host, oldest first. Under "raise" a call that runs ahead
+    """One step function's NaN/Inf policy, the layouts its checks traced, and the faults of
+    calls that ran ahead of the host, oldest first. Each feed signature's program has its own
+    layout (an output's stretch grows with the batch), told apart by the evidence's length. Under "raise" a call that runs ahead
     starts from `accepting`, a device flag that turns False after a fault, so the calls
     after a faulty one change nothing and the state stays the last good one."""
 
@@ -142,7 +143,8 @@ class FaultLedger:
         self.checked = policy != "ignore"
         self.where = where
         self._replicate = replicate
-        self._layout = EvidenceLayout((), ())
+        self._layout = EvidenceLayout((), ())   # the one traced last
+        self._layouts: dict[int, EvidenceLayout] = {}   # by the length of one step's evidence
         self._pending: list[tuple[int, Faults]] = []
         self._calls = 0
         self.accepting = self._fresh_flag()
@@ -157,7 +159,11 @@ class FaultLedger:
             return None
         watched = [(n, v) for n, v in named_values if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
         self._layout, faults = check(watched)
+        self._keep(self._layout)
         return faults
+
+    def _keep(self, layout: EvidenceLayout) -> None:
+        self._layouts[layout.ends[-1] if layout.ends else 0] = layout
 
     def layout_record(self) -> list:
         """The layout the last traced check left, as JSON values: stored with its program in the
@@ -167,7 +173,7 @@ class FaultLedger:
     def restore_layout(self, record: list) -> None:
         """Take the layout of a program loaded from the executable cache instead of traced."""
         names, ends = record
-        self._layout = EvidenceLayout(tuple(names), tuple(ends))
+        self._keep(EvidenceLayout(tuple(names), tuple(ends)))
 
     def defer(self, outputs: Unsettled, faults: Faults | None) -> Unsettled:
         """`outputs` of a call that ran ahead, its faults queued for settle()."""
@@ -191,7 +197,8 @@ class FaultLedger:
 
     def report(self, faults: Faults, step: str) -> None:
         """Act on a faulty call as the policy says: log under "skip", else NumericError."""
-        first, names = first_fault(faults, self._layout)
+        length = np.size(faults.evidence) // max(1, np.size(faults.flag))
+        first, names = first_fault(faults, self._layouts.get(length, self._layout))
         where = f"{self.where} {step}"
         steps_in_call = np.size(faults.flag)
         if steps_in_call > 1:

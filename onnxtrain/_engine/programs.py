@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from onnxtrain._engine.compiled import Compiled, ProgramLimit
+from onnxtrain._engine.compiled import Compiled, Job, ProgramLimit
 from onnxtrain._engine.feeds import FeedChecker
 from onnxtrain._engine.labels import with_label_check
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement, host_value
@@ -157,7 +157,7 @@ class InferenceProgram(Program):
         return self._eager(params, feeds, _inference_key(key))
 
     def prepare(self, values: Mapping[str, jax.Array], feeds: dict[str, Any], key: jax.Array
-                ) -> list[Callable[[], None]]:
+                ) -> list[Job]:
         """Get run()'s program for `feeds` ready without running it (see Compiled.prepare): the
         compiles left to run; none for a graph that runs op by op."""
         return self._if_traceable(feeds, lambda: self._compiled.prepare(self.params(values), feeds, key)) or []

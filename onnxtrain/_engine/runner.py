@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from onnxtrain._engine.batches import unstack
-from onnxtrain._engine.compiled import Compiled, ProgramLimit
+from onnxtrain._engine.compiled import Compiled, Job, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Stacked, Unsettled, any_fault
 from onnxtrain._engine.feeds import owned
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
@@ -147,12 +147,14 @@ class StepRunner:
             except OnnxTrainError as error:
                 raise without_jax_notes(error)
 
-    def prepare(self, store: StateStore, feeds: dict[str, Any]) -> list[Callable[[], None]]:
-        """Get the programs of a single step and of fit's steps for `feeds` (checked and placed)
-        ready without running them: loaded, or traced now with their compiles returned."""
+    def prepare(self, store: StateStore, feeds: dict[str, Any], fitting: bool = False) -> list[Job]:
+        """Get the programs of a single step and of fit's steps (with `fitting`, of fit's only)
+        for `feeds` (checked and placed) ready without running them: their loads, or their
+        compiles once traced now."""
         plan = self.plan(store)
         # fit runs a checked step ahead of the host (see run); an unchecked one as step() does.
-        parts = [plan.single, *([plan.linked] if self.ledger.checked and plan.linked is not None else [])]
+        ahead = self.ledger.checked and plan.linked is not None
+        parts = [plan.linked] if fitting and ahead else [plan.single, *([plan.linked] if ahead else [])]
         return self._compiled_or_eager(
             feeds, lambda: [job for part in parts for job in part.prepare(store, feeds)], list)
 

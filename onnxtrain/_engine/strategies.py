@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from onnxtrain._engine.batches import unstack
-from onnxtrain._engine.compiled import Compiled, Memo, ProgramLimit
+from onnxtrain._engine.compiled import Compiled, Job, Memo, ProgramLimit
 from onnxtrain._engine.faults import FaultLedger, Faults, any_fault
 from onnxtrain._engine.placement import DEFAULT_DEVICE, Placement
 from onnxtrain._engine.update_tail import UpdateTail
@@ -97,9 +97,9 @@ class _Strategy:
         the store's key."""
         return store.key if self.step.random else None
 
-    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+    def prepare(self, store: StateStore, feeds: dict) -> list[Job]:
         """Get this strategy's single-step program for `feeds` ready without running it (see
-        Compiled.prepare): the compiles left to run. None by default: such programs compile at
+        Compiled.prepare): the loads and compiles left to run. None by default: such programs compile at
         their first call."""
         return []
 
@@ -132,7 +132,7 @@ class InPlace(_Strategy):
     def lower(self, store: StateStore, feeds: dict) -> jax.stages.Lowered:
         return self._run.lower(store.values, self.key(store), self.step.constants, feeds)
 
-    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+    def prepare(self, store: StateStore, feeds: dict) -> list[Job]:
         return self._run.prepare(store.values, self.key(store), self.step.constants, feeds)
 
 
@@ -165,7 +165,7 @@ class DoubleBuffered(_Strategy):
     def lower(self, store: StateStore, feeds: dict) -> jax.stages.Lowered:
         return self._run.lower(*self._arguments(store, feeds))
 
-    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+    def prepare(self, store: StateStore, feeds: dict) -> list[Job]:
         return self._run.prepare(*self._arguments(store, feeds))
 
     def _arguments(self, store: StateStore, feeds: dict) -> tuple:
@@ -251,7 +251,7 @@ class Linked(_Strategy):
         state, key, outputs, faults, accepting = _selecting_step(self, state, key, constants, feeds, accepting)
         return {name: state[name] for name in self.step.bound}, key, outputs, faults, accepting
 
-    def prepare(self, store: StateStore, feeds: dict) -> list[Callable[[], None]]:
+    def prepare(self, store: StateStore, feeds: dict) -> list[Job]:
         values = store.values
         return self._run.prepare(values, {name: values[name] for name in self.step.bound}, self.key(store),
                                  self.step.constants, feeds, self.ledger.accepting)

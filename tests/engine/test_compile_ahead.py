@@ -6,7 +6,9 @@ compile nothing and give exactly what a trainer that compiled on demand gives. f
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 
 import numpy as np
 import onnx
@@ -15,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-from onnxtrain._engine import compilation_cache
+from onnxtrain._engine import compilation_cache, executable_cache
+from onnxtrain._engine.executable_cache import ExecutableCache
 from onnxtrain._engine.progress import Progress
 from onnxtrain.fitting import fit
 
@@ -92,6 +95,92 @@ def test_fine_tuning_compiles_ahead_too():
     tuner.fit(batches(), verbose=0)
     tuner.infer({"x": batches()[0]["x"]})
     assert tuner.compilations == before
+
+
+class FirstStep(onnxtrain.callbacks.Callback):
+    """The trainer's program count when fit's first step has run."""
+
+    def on_train_begin(self, trainer):
+        self.trainer, self.programs = trainer, None
+
+    def on_step_end(self, step, logs):
+        if self.programs is None:
+            self.programs = self.trainer.compilations
+
+
+def arrays(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(rows)
+    return rng.normal(size=(rows, 8)).astype(np.float32), rng.integers(0, 3, rows).astype(np.int64)
+
+
+@pytest.mark.parametrize("nan_policy", ["raise", "ignore"])
+def test_fit_has_its_first_epochs_programs_ready_before_its_first_step(nan_policy):
+    """20 training rows in batches of 6 end in a short batch of 2, 10 evaluation rows in one
+    of 4: fit gets the four programs ready (side by side) before any step runs, and trains
+    exactly as steps run one by one do."""
+    model = onnxtrain.make_training_model(classifier(), loss="cross_entropy", output="logits")
+    trainer, seen = onnxtrain.Trainer(model, nan_policy=nan_policy), FirstStep()
+    history = trainer.fit(arrays(20), batch_size=6, eval_data=arrays(10), epochs=2, verbose=0, callbacks=[seen])
+    assert seen.programs == trainer.compilations == 4
+    by_hand = onnxtrain.Trainer(model, nan_policy=nan_policy)
+    x, y = arrays(20)
+    losses = [float(by_hand.step({"x": x[start:start + 6], "labels": y[start:start + 6]})["loss"])
+              for _ in range(2) for start in range(0, 20, 6)]
+    np.testing.assert_array_equal(history["step_loss"], losses)
+
+
+def test_fit_with_steps_per_call_gets_evaluation_ready_ahead():
+    trainer, seen = onnxtrain.Trainer(onnxtrain.make_training_model(classifier(), loss="cross_entropy",
+                                                                     output="logits")), FirstStep()
+    trainer.fit(arrays(18), batch_size=6, eval_data=arrays(10), steps_per_call=3, verbose=0, callbacks=[seen])
+    # Evaluation of 6 and of 4 rows, and the one program of three stacked steps.
+    assert seen.programs == trainer.compilations == 3
+
+
+def test_fit_loads_its_programs_off_the_callers_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(compilation_cache, "_configured", True)
+    monkeypatch.setenv("ONNXTRAIN_COMPILATION_CACHE", str(tmp_path))
+    compilation_cache.executable_cache.cache_clear()
+    loads = []
+    load = ExecutableCache.load
+    monkeypatch.setattr(ExecutableCache, "load",
+                        lambda self, parts: loads.append(threading.current_thread()) or load(self, parts))
+    try:
+        model = onnxtrain.make_training_model(classifier(), loss="cross_entropy", output="logits")
+        fits = []
+        for _ in range(2):   # compiled and stored, then loaded
+            trainer, seen = onnxtrain.Trainer(model), FirstStep()
+            fits.append(trainer.fit(arrays(20), batch_size=6, eval_data=arrays(10), verbose=0, callbacks=[seen]))
+            assert seen.programs == 4
+        assert len(loads) == 4 and threading.main_thread() not in loads
+        assert fits[0] == fits[1]
+    finally:
+        compilation_cache.executable_cache.cache_clear()
+
+
+def test_each_stored_step_keeps_the_fault_layout_of_its_own_trace(tmp_path, monkeypatch):
+    """With training metrics the step also returns its prediction, whose share of the NaN/Inf
+    evidence grows with the batch: the full and the short batch's programs, traced one after
+    the other and compiled together, each store their own layout (3 x 4 values apart), and a
+    fault in a loaded program is reported by name."""
+    monkeypatch.setattr(compilation_cache, "_configured", True)
+    monkeypatch.setenv("ONNXTRAIN_COMPILATION_CACHE", str(tmp_path))
+    compilation_cache.executable_cache.cache_clear()
+    try:
+        model = onnxtrain.make_training_model(classifier(), loss="cross_entropy", output="logits")
+        onnxtrain.Trainer(model).fit(arrays(20), batch_size=6, metrics=["accuracy"], verbose=0)
+        memos = []
+        for path in (tmp_path / "executables").glob("*.executable"):
+            head = json.loads(path.read_bytes()[len(executable_cache.MAGIC):].split(b"\n", 1)[0])
+            memos.append(head["memo"])
+        names, ends = zip(*sorted(memos, key=lambda memo: memo[1][-1]))
+        assert names[0] == names[1] and ends[1][-1] - ends[0][-1] == 3 * (6 - 2)
+        x, y = arrays(20)
+        x[15] = np.nan   # in the third full batch, after the short one was traced
+        with pytest.raises(onnxtrain.NumericError, match=r"'W1'.*'loss', 'prediction'"):
+            onnxtrain.Trainer(model).fit((x, y), batch_size=6, metrics=["accuracy"], verbose=0)
+    finally:
+        compilation_cache.executable_cache.cache_clear()
 
 
 def test_compile_checks_the_feeds_like_step():

@@ -136,13 +136,13 @@ def header(path: Path) -> dict:
 def looked_up(monkeypatch):
     """The key parts of every entry looked up from now on."""
     seen: list[dict] = []
-    load = ExecutableCache.load
+    holds = ExecutableCache.holds
 
     def spy(self, parts):
         seen.append(dict(parts))
-        return load(self, parts)
+        return holds(self, parts)
 
-    monkeypatch.setattr(ExecutableCache, "load", spy)
+    monkeypatch.setattr(ExecutableCache, "holds", spy)
     return seen
 
 
