@@ -10,12 +10,14 @@ Each model runs in three new processes, one after the other, sharing one cache f
 torch eager's first step (in ms) is timed in this process on the model just built (forward,
 backward and an Adam step; import and model construction not counted).
 
-Models: the zoo's exports (scripts/export_zoo.py, batch 4) and BERT-style encoders (hidden
+Models: the zoo's exports (scripts/export_zoo.py, batch 4), BERT-style encoders (hidden
 128, 2 / 12 / 24 layers, batch 8 x 64 tokens) exported by torch.onnx's dynamo exporter with
-its defaults, as users export them.
+its defaults, as users export them, and on request full-size torchvision models as
+bench/exported_cnn.py exports them.
 
 Usage: python bench/startup.py [--family bert ...] [--exporter dynamo ...] [--encoder-layers 2 12 24]
                                [--no-zoo] [--exports /tmp/onnxtrain-zoo]
+                               [--torchvision resnet18 convnext_tiny ... [--torchvision-batch 4]]
 Needs the test extras (torch, transformers, timm, torchvision, onnxscript).
 """
 
@@ -118,20 +120,26 @@ def encoder(layers: int):
     return Logits(transformers.BertForSequenceClassification(config)).eval()
 
 
-def encoder_rows(depths: list[int], folder: Path) -> dict[str, dict]:
+def encoder_export(layers: int, folder: Path) -> Path:
+    """The encoder of `layers` layers exported by dynamo with its defaults (made once)."""
     import torch
 
+    path = folder / f"bert-encoder-{layers}.onnx"
+    if not path.exists():
+        ids = torch.zeros((ENCODER_BATCH, ENCODER_LENGTH), dtype=torch.int64)
+        torch.onnx.export(encoder(layers), (ids, torch.ones_like(ids)), str(path), dynamo=True,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"])
+    return path
+
+
+def encoder_rows(depths: list[int], folder: Path) -> dict[str, dict]:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 1000, (ENCODER_BATCH, ENCODER_LENGTH)).astype(np.int64)
     mask = np.ones_like(ids)
     labels = rng.integers(0, 2, ENCODER_BATCH).astype(np.int64)
     rows = {}
     for layers in depths:
-        path = folder / f"bert-encoder-{layers}.onnx"
-        if not path.exists():
-            model = encoder(layers)
-            torch.onnx.export(model, (torch.from_numpy(ids), torch.from_numpy(mask)), str(path), dynamo=True,
-                              input_names=["input_ids", "attention_mask"], output_names=["logits"])
+        path = encoder_export(layers, folder)
         row = starts({"path": str(path), "loss": "cross_entropy", "output": "logits"},
                      {"input_ids": ids, "attention_mask": mask, "labels": labels})
         row["torch first step ms"] = 1e3 * torch_first_step(encoder(layers), [ids, mask], labels, "cross_entropy")
@@ -140,18 +148,48 @@ def encoder_rows(depths: list[int], folder: Path) -> dict[str, dict]:
     return rows
 
 
+def torchvision_rows(names: list[str], batch: int, folder: Path) -> dict[str, dict]:
+    """Full-size torchvision models (random weights, 3x64x64 images, 1000 classes) exported by
+    dynamo, as bench/exported_cnn.py exports them."""
+    from exported_cnn import CLASSES, export
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(batch, 3, 64, 64)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, batch).astype(np.int64)
+    rows = {}
+    for name in names:
+        path, model = export(name, batch, 64, folder / "torchvision")
+        input_name = onnx_input(path)
+        row = starts({"path": str(path), "loss": "cross_entropy", "output": None},
+                     {input_name: images, "labels": labels})
+        row["torch first step ms"] = 1e3 * torch_first_step(model.train(), [images], labels, "cross_entropy")
+        rows[f"{name} (full size) batch {batch} | dynamo"] = row
+        print(f"{name}: {row}", file=sys.stderr)
+    return rows
+
+
+def onnx_input(path: Path) -> str:
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False).graph.input[0].name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", action="append", choices=sorted(export_zoo.FAMILIES), help="default: all")
     parser.add_argument("--exporter", action="append", help="default: every exporter of the family")
     parser.add_argument("--encoder-layers", type=int, nargs="*", default=[2, 12, 24])
     parser.add_argument("--no-zoo", dest="zoo", action="store_false")
+    parser.add_argument("--torchvision", nargs="*", default=[], metavar="NAME",
+                        help="full-size torchvision models too, e.g. resnet18 convnext_tiny (none by default)")
+    parser.add_argument("--torchvision-batch", type=int, default=4)
     parser.add_argument("--exports", type=Path, default=Path("/tmp/onnxtrain-zoo"))
     arguments = parser.parse_args()
     arguments.exports.mkdir(parents=True, exist_ok=True)
     rows = encoder_rows(arguments.encoder_layers, arguments.exports)
     if arguments.zoo:
         rows.update(zoo_rows(arguments.family, arguments.exporter, arguments.exports))
+    rows.update(torchvision_rows(arguments.torchvision, arguments.torchvision_batch, arguments.exports))
     print_table(rows, "model | exporter")
 
 

@@ -271,7 +271,7 @@ def _compile(arguments: argparse.Namespace) -> int:
     # The full batch, and the short last one `train` would also run.
     shapes = {tuple(array.shape for array in batch.values()): batch for batch in (batches[0], batches[-1])}
     start = time.perf_counter()
-    compiled = sum(trainer.compile(batch, arguments.algorithm) for batch in shapes.values())
+    compiled = trainer.compile(list(shapes.values()), arguments.algorithm)
     cache = executable_cache()
     where = f"kept in {cache.folder}" if cache is not None else "not kept: the executable cache is off"
     print(f"{compiled} programs compiled in {time.perf_counter() - start:.1f} s for {len(shapes)} batch "

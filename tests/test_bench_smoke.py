@@ -221,3 +221,35 @@ def test_repeated_layers_benchmark_lowers_a_stack_four_ways():
     assert list(rows) == ["unrolled", "nested jit", "scan", "scan, unroll 2"]
     assert rows["unrolled"]["step / unrolled"] == 1.0
     assert all(row["compile s"] > 0 and row["step ms"] > 0 for row in rows.values())
+
+
+def test_tracing_benchmark_times_both_ways_of_tracing_a_chain():
+    from support.bench_modules import bench_module
+
+    timings = bench_module("tracing").chain_timings(length=20)
+    assert list(timings) == ["jax.numpy, traced s", "jax.numpy, under vjp s", "lax, traced s", "lax, under vjp s"]
+    assert all(value > 0 for value in timings.values())
+
+
+@pytest.mark.slow
+def test_tracing_benchmark_counts_nested_jits_by_the_line_calling_them(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "tracing.py"), "--encoder-layers", "1",
+                           "--exports", str(tmp_path), "--lines", "3"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("1 layers: trace ")):]
+    assert "nested jit traces" in lines[0], lines
+    # The optimizer's arithmetic is among the callers named, by file and line.
+    assert len(lines[1:4]) == 3 and any("translate/ops/training.py:" in line for line in lines[1:4]), lines
+
+
+@pytest.mark.slow
+def test_startup_benchmark_times_a_full_size_torchvision_model(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--no-zoo", "--encoder-layers",
+                           "--exports", str(tmp_path), "--torchvision", "squeezenet1_1"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    row = done.stdout.strip().splitlines()[-1]
+    values = [float(cell) for cell in row.split("|")[3:-1]]
+    assert row.startswith("| squeezenet1_1 (full size) batch 4 | dynamo |") and all(v > 0 for v in values), row

@@ -320,7 +320,7 @@ class Core:
                     runner.run(self._store, place.place_batch(owned(run[0]), where), settle_later=settle_later)
                     for run in same_signature_runs(checked)]
 
-    def compile(self, feeds: Mapping[str, Any], algorithm: int = 0) -> int:
+    def compile(self, feeds: Mapping[str, Any] | Sequence[Mapping[str, Any]], algorithm: int = 0) -> int:
         """Compile, ahead of the first step, the programs that step(), fit() and evaluate()
         run for batches shaped like `feeds`, and infer() for its inputs among them: each is
         loaded from the executable cache where it is there, else traced, then compiled and
@@ -329,7 +329,8 @@ class Core:
 
         Args:
             feeds: an example batch (its values are not used, only its shapes and dtypes), as
-                step() takes it.
+                step() takes it; or a list of them (e.g. the full batch and a short last one),
+                all made ready together.
             algorithm: which TrainingInfoProto's step.
 
         Returns:
@@ -342,23 +343,24 @@ class Core:
             >>> trainer.compile({"X": np.zeros((32, 784), np.float32), "labels": np.zeros(32, np.int64)})
             3
         """
-        return self._get_ready(self._runner(algorithm), algorithm, [feeds], [feeds])
+        batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
+        return self._get_ready(self._runner(algorithm), algorithm, batches, batches)
 
     def _get_ready(self, runner: StepRunner, algorithm: int, steps: Sequence[Mapping[str, Any]],
                    evaluations: Sequence[Mapping[str, Any]], fitting: bool = False) -> int:
         """Load or compile the programs `runner` steps each batch of `steps` with (with
-        `fitting`, fit's only; else step()'s, fit's and infer()'s of the inputs among the first
-        batch) and evaluation each batch of `evaluations` with. Tracing runs on this thread;
-        loads and compiles side by side in threads. Returns how many programs were compiled."""
+        `fitting`, fit's only; else step()'s, fit's and infer()'s of the inputs among them)
+        and evaluation each batch of `evaluations` with. Tracing runs on this thread; loads
+        and compiles side by side in threads. Returns how many programs were compiled."""
         jobs: list[Job] = []
+        inputs = set(self._inference.check_feeds.names)
         with self._store.transaction():
             for feeds in steps:
                 jobs += runner.prepare(self._store, self._placed(runner, feeds, copy=False), fitting)
-            inputs = set(self._inference.check_feeds.names)
-            given = {name: value for name, value in steps[0].items() if name in inputs} if steps else {}
-            if not fitting and steps and inputs <= set(given):
-                checked = self._placement.replicate(self._inference.check_feeds(given))
-                jobs += self._inference.prepare(self._store.values, checked, self._store.key)
+                given = {name: value for name, value in feeds.items() if name in inputs}
+                if not fitting and inputs <= set(given):
+                    checked = self._placement.replicate(self._inference.check_feeds(given))
+                    jobs += self._inference.prepare(self._store.values, checked, self._store.key)
             evaluation = self._evaluations[algorithm]
             for feeds in evaluations if evaluation is not None else ():
                 checked = self._placement.replicate(evaluation.check_feeds(feeds))

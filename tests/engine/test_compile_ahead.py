@@ -129,6 +129,17 @@ def test_fit_has_its_first_epochs_programs_ready_before_its_first_step(nan_polic
     np.testing.assert_array_equal(history["step_loss"], losses)
 
 
+def test_compile_takes_several_batch_shapes_at_once():
+    model = onnxtrain.make_training_model(classifier(), loss="cross_entropy", output="logits")
+    trainer = onnxtrain.Trainer(model)
+    x, y = arrays(20)
+    # Per shape: the step the host waits for, fit's checked step, inference and evaluation.
+    assert trainer.compile([{"x": x[:6], "labels": y[:6]}, {"x": x[18:], "labels": y[18:]}]) == 8
+    trainer.fit((x, y), batch_size=6, eval_data=(x[:8], y[:8]), verbose=0)
+    trainer.infer({"x": x[18:]})
+    assert trainer.compilations == 8
+
+
 def test_fit_with_steps_per_call_gets_evaluation_ready_ahead():
     trainer, seen = onnxtrain.Trainer(onnxtrain.make_training_model(classifier(), loss="cross_entropy",
                                                                      output="logits")), FirstStep()
