@@ -43,10 +43,14 @@ class LoRA:
         targets: None for every linear layer of a transformer export (2-D float weights read
             as the weight operand of MatMul or Gemm, except embedding tables and the output
             head: a layer whose result reaches the trained output without passing another
-            MatMul, Gemm or Conv); a list of fnmatch patterns over weight names (Conv
-            weights, heads and quantized weights, named by their DequantizeLinear output,
-            can be chosen this way); or a predicate (name, stored value, consumer node) ->
-            bool.
+            MatMul, Gemm or Conv); a list of layer names as peft's target_modules takes them
+            (["q_proj", "v_proj"] chooses every module whose path ends in them, e.g.
+            "model.layers.0.self_attn.q_proj", where the export records module paths:
+            torch.onnx's dynamo exporter, optimum, onnxruntime-genai's builder) or of fnmatch
+            patterns over module paths and weight names (Conv weights, heads and quantized
+            weights, named by their DequantizeLinear output, can be chosen this way); or a
+            predicate (name, stored value, consumer node) -> bool. Adapters are named after
+            the module path where it is known ("<module>.lora_A"), else after the weight.
         dropout: the Dropout ratio applied to x in the branch while training (identity in
             inference and evaluation).
         seed: the seed A is drawn with.

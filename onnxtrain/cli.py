@@ -355,8 +355,9 @@ def _recipe_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--lora-alpha", type=float, help="LoRA's alpha (the branch is scaled by alpha/rank; "
                                                           "none: 2 x rank)")
     command.add_argument("--lora-targets", action="append",
-                         help="adapt the weights matching this pattern (fnmatch, repeatable; none: every "
-                              "linear layer but the embeddings and the head)")
+                         help="adapt these layers (a module name as peft's target_modules, e.g. q_proj, or "
+                              "an fnmatch pattern over module paths and weight names; repeatable; none: "
+                              "every linear layer but the embeddings and the head)")
 
 
 def _fit_options(command: argparse.ArgumentParser) -> None:

@@ -231,13 +231,17 @@ def test_tracing_benchmark_times_both_ways_of_tracing_a_chain():
     assert all(value > 0 for value in timings.values())
 
 
+def bench_lines(script: str, *arguments: str, timeout: int = 600) -> list[str]:
+    """The lines bench/`script` prints, run with `arguments` in a new process (it must succeed)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *arguments],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()
+
+
 @pytest.mark.slow
 def test_tracing_benchmark_counts_nested_jits_by_the_line_calling_them(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "tracing.py"), "--encoder-layers", "1",
-                           "--exports", str(tmp_path), "--lines", "3"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
+    lines = bench_lines("tracing.py", "--encoder-layers", "1", "--exports", str(tmp_path), "--lines", "3")
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith("1 layers: trace ")):]
     assert "nested jit traces" in lines[0], lines
     # The optimizer's arithmetic is among the callers named, by file and line.
@@ -246,10 +250,7 @@ def test_tracing_benchmark_counts_nested_jits_by_the_line_calling_them(tmp_path)
 
 @pytest.mark.slow
 def test_startup_benchmark_times_a_full_size_torchvision_model(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--no-zoo", "--encoder-layers",
-                           "--exports", str(tmp_path), "--torchvision", "squeezenet1_1"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    row = done.stdout.strip().splitlines()[-1]
+    row = bench_lines("startup.py", "--no-zoo", "--encoder-layers", "--exports", str(tmp_path),
+                      "--torchvision", "squeezenet1_1", timeout=900)[-1]
     values = [float(cell) for cell in row.split("|")[3:-1]]
     assert row.startswith("| squeezenet1_1 (full size) batch 4 | dynamo |") and all(v > 0 for v in values), row

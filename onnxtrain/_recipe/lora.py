@@ -17,6 +17,8 @@ original graph with W + (alpha/rank)·A·B in W's place.
 
 from __future__ import annotations
 
+import ast
+import collections
 import difflib
 import fnmatch
 import json
@@ -42,6 +44,8 @@ FORMAT = 1
 _PASS = {"Identity", "Transpose"}
 # Ops a head search stops at: the result has gone through another linear layer.
 _PRODUCTS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul"}
+# Attention projections some exporters fuse into one `qkv_proj` layer.
+_FUSED_QKV = ("q_proj", "k_proj", "v_proj")
 _FLOAT_CODES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16}
 
 
@@ -68,6 +72,7 @@ class Candidate:
     dequantize: NodeProto | None = None   # the DequantizeLinear producing it, for a quantized base
     problem: str | None = None            # why it cannot be adapted, when it cannot
     head: bool = False
+    module: str | None = None             # the exporter's module path of its layer, when known and its own
 
     @property
     def kind(self) -> str:
@@ -155,6 +160,31 @@ def _reach(name: str, uses: Uses) -> tuple[list[Site], str | None]:
     return sites, None
 
 
+def module_path(item: NodeProto) -> str | None:
+    """The path of the torch module a node was exported from (e.g.
+    "model.layers.0.self_attn.q_proj"), as peft names modules; None when the export does not
+    say. torch.onnx's dynamo exporter records the scopes in the node's metadata (the last
+    scope that is not an aten op); TorchScript-based exporters (optimum, onnxruntime-genai's
+    builder) name nodes "/model/layers.0/self_attn/q_proj/MatMul"."""
+    meta = {entry.key: entry.value for entry in item.metadata_props}
+    if "pkg.torch.onnx.name_scopes" in meta:
+        try:
+            scopes = ast.literal_eval(meta["pkg.torch.onnx.name_scopes"])
+            classes = ast.literal_eval(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
+        except (ValueError, SyntaxError):
+            return None
+        if not isinstance(scopes, list) or not isinstance(classes, list):
+            return None
+        if len(classes) != len(scopes):
+            classes = [""] * (len(scopes) - 1) + ["aten."]   # the last scope is the op's own
+        modules = [str(scope) for scope, kind in zip(scopes, classes) if scope and not str(kind).startswith("aten.")]
+        return modules[-1] if modules else None
+    parts = item.name.split("/")
+    if item.name.startswith("/") and len(parts) >= 3 and all(parts[1:-1]):
+        return ".".join(parts[1:-1])
+    return None
+
+
 def _integer_initializer(item: NodeProto, initializers: Mapping[str, TensorProto]) -> bool:
     """Whether `item` is a DequantizeLinear of an integer initializer with constant scale and zero point."""
     if item.op_type != "DequantizeLinear" or normalize_domain(item.domain) != "":
@@ -205,7 +235,32 @@ def candidates(model: ModelProto, prediction: str | None = None) -> dict[str, Ca
     output = prediction or graph.output[0].name
     for candidate in kept.values():
         candidate.head = any(_reaches_output(site.node, output, uses) for site in candidate.sites)
+    _name_modules([candidate for candidate in kept.values() if candidate.sites])
     return kept
+
+
+def _name_modules(found: list[Candidate]) -> None:
+    """Give each candidate its layer's module path, where all its consumers come from one
+    module and no other candidate's do (a module computing two products names neither)."""
+    paths = {}
+    for candidate in found:
+        modules = {module_path(site.node) for site in candidate.sites}
+        paths[candidate.name] = modules.pop() if len(modules) == 1 else None
+    counts = collections.Counter(path for path in paths.values() if path is not None)
+    for candidate in found:
+        path = paths[candidate.name]
+        candidate.module = path if path is not None and counts[path] == 1 else None
+
+
+def _matches(pattern: str, candidate: Candidate) -> bool:
+    """Whether a target pattern chooses a candidate: by its weight's name (fnmatch), or by its
+    module path as peft matches target_modules (the path, or its last parts after a dot) or
+    by fnmatch."""
+    if fnmatch.fnmatchcase(candidate.name, pattern):
+        return True
+    module = candidate.module
+    return module is not None and (module == pattern or module.endswith("." + pattern)
+                                   or fnmatch.fnmatchcase(module, pattern))
 
 
 def _reaches_output(item: NodeProto, output: str, uses: Uses) -> bool:
@@ -250,7 +305,7 @@ def select(model: ModelProto, lora: LoRA, prediction: str | None = None) -> list
     patterns = [targets] if isinstance(targets, str) else list(targets)
     chosen_names: set[str] = set()
     for pattern in patterns:
-        matched = [name for name in found if fnmatch.fnmatchcase(name, pattern)]
+        matched = [name for name, candidate in found.items() if _matches(pattern, candidate)]
         adaptable = [name for name in matched if found[name].problem is None]
         if matched and (not adaptable or pattern in found):
             # An exact name, or a pattern matching only weights that cannot be adapted: say why.
@@ -258,8 +313,13 @@ def select(model: ModelProto, lora: LoRA, prediction: str | None = None) -> list
             if found[name].problem is not None:
                 raise BindingError(f"LoRA cannot adapt {name!r}: {found[name].problem}")
         if not adaptable:
-            close = difflib.get_close_matches(pattern, list(usable), n=5, cutoff=0.4)
+            names = [*usable, *(c.module for c in usable.values() if c.module is not None)]
+            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
             hint = f"; close names: {close}" if close else _listing(usable)
+            if pattern in _FUSED_QKV and any(c.module.endswith(".qkv_proj") for c in usable.values() if c.module):
+                hint = ("; this export fuses q_proj, k_proj and v_proj into one qkv_proj layer (as "
+                        "onnxruntime-genai's builder does), so target 'qkv_proj' to adapt the three together"
+                        + hint)
             raise BindingError(f"LoRA target pattern {pattern!r} matches no weight of a MatMul, Gemm or Conv"
                                f"{hint}")
         chosen_names.update(adaptable)
@@ -267,7 +327,7 @@ def select(model: ModelProto, lora: LoRA, prediction: str | None = None) -> list
 
 
 def _listing(found: Mapping[str, Candidate], limit: int = 8) -> str:
-    names = list(found)
+    names = [name if c.module is None else f"{name} ({c.module})" for name, c in found.items()]
     if not names:
         return ""
     return f" (adaptable weights: {names[:limit]}{' ...' if len(names) > limit else ''})"
@@ -350,12 +410,14 @@ def insert(model: ModelProto, lora: LoRA, chosen: list[Candidate],
             a_value, b_value = factors[candidate.name]
         else:
             a_value, b_value = _initial_factors(candidate, lora.rank, rng, dtype)
-        a, b = fresh(f"{candidate.name}.lora_A"), fresh(f"{candidate.name}.lora_B")
+        # Named as peft names them (the layer's module path) where the export says it.
+        stem = candidate.module or candidate.name
+        a, b = fresh(f"{stem}.lora_A"), fresh(f"{stem}.lora_B")
         graph.initializer.extend([numpy_to_tensor(a_value, a), numpy_to_tensor(b_value, b)])
         sites = []
         for index, site in enumerate(candidate.sites):
             prefix = site.node.name or f"{candidate.name}/{index}"
-            scale = fresh(f"{candidate.name}.lora_scale")
+            scale = fresh(f"{stem}.lora_scale")
             graph.initializer.append(numpy_to_tensor(np.array(lora.scale * site.gemm_alpha, dtype), scale))
             nodes, base, output = _branch(site, a, b, scale, ratio, fresh, prefix)
             graph.node[site.position].output[0] = base
@@ -364,7 +426,8 @@ def insert(model: ModelProto, lora: LoRA, chosen: list[Candidate],
                           "nodes": [n.name for n in nodes]})
         record["weights"][candidate.name] = {
             "A": a, "B": b, "kind": candidate.kind, "transposed": candidate.sites[0].transposed,
-            "quantized": candidate.dequantize is not None, "shape": list(candidate.dims), "sites": sites}
+            "quantized": candidate.dequantize is not None, "shape": list(candidate.dims), "sites": sites,
+            "module": candidate.module}
     if ratio is not None:
         record["dropout_ratio"] = ratio
     ordered = []
