@@ -28,8 +28,10 @@ from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Prog
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
+from onnxtrain._recipe.lora import read_record
 from onnxtrain._recipe.lora_export import export_transform
-from onnxtrain.errors import InputError, ModelLoadError
+from onnxtrain._recipe.peft_export import write_peft_adapter
+from onnxtrain.errors import ExportError, InputError, ModelLoadError
 from onnxtrain.data import Data, fit_data
 from onnxtrain.fitting import Batches, Callback, evaluate_batches, fit
 from onnxtrain.metrics import MetricSet, MetricsArgument
@@ -384,6 +386,43 @@ class Core:
             values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
             key = self._store.key
         write_model(self._model, values, self._home, path, key if training else None, external_data, transform)
+
+    def export_adapters(self, path: str | os.PathLike, drop_prefix: str = "") -> None:
+        """Write the LoRA adapters as peft writes them: `path` becomes a folder holding
+        adapter_config.json and adapter_model.safetensors, which
+        `peft.PeftModel.from_pretrained(torch_model, path)` puts on the torch model the ONNX
+        export came from (modules named by the paths the exporter recorded).
+
+        Args:
+            path: the folder to write (created; its two files are replaced atomically).
+            drop_prefix: a start to remove from every module path: the attribute a wrapper
+                module held the model as when it was exported (e.g. "model.").
+
+        Returns:
+            None; both files are complete once this returns.
+
+        Raises:
+            ExportError: the model has no adapters, trains base weights fully besides them
+                (peft's file would lose them), an adapted layer's module is unknown, or the
+                folder cannot be written.
+
+        Example:
+            >>> trainer.export_adapters("qwen2-lora")   # PeftModel.from_pretrained(model, "qwen2-lora")
+        """
+        record = read_record(self._model)
+        if record is None:
+            raise ExportError("the model has no adapters to export: pass adapters=onnxtrain.LoRA(...) to "
+                              "make_training_model or finetune")
+        factors = {name for entry in record["weights"].values() for name in (entry["A"], entry["B"])}
+        initializers = {tensor.name for tensor in self._model.graph.initializer}
+        fully = sorted(name for name in self._home if name in initializers and name not in factors)
+        if fully:
+            raise ExportError(f"besides its adapters the model trains {fully[:5]} fully, which peft's adapter "
+                              "file would leave out; write export(path, training=False, merge=False) (the "
+                              "adapter file keeps them) or the merged model")
+        with self._store.transaction():
+            values = host_copy({name: self._store.values[name] for name in factors})
+        write_peft_adapter(path, record, values, drop_prefix)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save every state variable, optimizer slot, hyperparameter and the PRNG key (no pickle)."""

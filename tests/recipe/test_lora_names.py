@@ -82,3 +82,40 @@ def test_a_fused_projection_is_named_and_the_error_says_how_to_target_it(exporte
     assert sorted(entry["module"] for entry in record["weights"].values()) == [
         f"model.layers.{layer}.attn.{name}" for layer in range(llm_exports.LAYERS) for name in ("o_proj", "qkv_proj")]
     assert "model.layers.0.attn.qkv_proj.lora_B" in trainer.state_names
+
+
+@pytest.mark.parametrize("route", ["dynamo_static", "optimum"])
+def test_peft_loads_the_exported_adapters_and_computes_the_trainers_loss(exported, route, tmp_path):
+    """Three steps train the adapters; export_adapters writes them as peft does, and peft's
+    PeftModel on the torch model gives the trained model's loss on a new batch."""
+    import numpy as np
+    import onnx
+
+    path = exported(route)
+    trainer, _ = adapted(path, ["q_proj", "v_proj"])
+    rng = np.random.default_rng(0)
+    model = onnx.load(str(path), load_external_data=False)
+    for _ in range(3):
+        trainer.step(llm_exports.feeds(route, model, rng))
+    batch = llm_exports.feeds(route, model, rng)
+    ours = float(trainer.evaluate(batch)["loss"])
+    trainer.export_adapters(tmp_path / "adapter", drop_prefix=PREFIX[route])
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    base = llm_exports.causal_lm("qwen2")
+    with torch.no_grad():
+        untrained = float(llm_exports.torch_loss(route, base, batch))
+        served = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        theirs = float(llm_exports.torch_loss(route, served, batch))
+    assert abs(ours - untrained) > 1e-4   # the adapters changed the model
+    assert theirs == pytest.approx(ours, rel=1e-5)
+
+
+def test_export_adapters_says_what_it_cannot_write(exported, tmp_path):
+    trainer, _ = adapted(exported("dynamo_static"), ["q_proj"])
+    with pytest.raises(onnxtrain.ExportError, match="does not start with it"):
+        trainer.export_adapters(tmp_path / "adapter", drop_prefix="transformer.")
+    plain = onnxtrain.Trainer(onnxtrain.make_training_model(str(exported("dynamo_static")), loss="causal_lm"))
+    with pytest.raises(onnxtrain.ExportError, match="no adapters"):
+        plain.export_adapters(tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
