@@ -100,8 +100,10 @@ def apply_adapters(base: ModelSource, adapter_file: ModelSource, merge: bool = T
 
     Args:
         base: the base inference model the adapters were trained on (a path, bytes, file
-            object or ModelProto).
-        adapter_file: the `.adapter.onnx` file (or its bytes or ModelProto).
+            object or ModelProto); for an `.onnx_adapter` file, the adapter-ready base that
+            export_adapters(..., base=...) wrote.
+        adapter_file: the `.adapter.onnx` file (or its bytes or ModelProto), or an ONNX
+            Runtime `.onnx_adapter` file (its path or bytes).
         merge: True folds W + (alpha/rank)·A·B into each adapted weight (the same graph as
             the base, as export(merge=True) writes it); False adds the adapter branch.
 
@@ -109,12 +111,14 @@ def apply_adapters(base: ModelSource, adapter_file: ModelSource, merge: bool = T
         The new ModelProto (onnxtrain.proto), ready for onnxtrain.save_model.
 
     Raises:
-        ModelLoadError: the adapter file carries no adapter description.
+        ModelLoadError: the adapter file carries no adapter description, or is a damaged
+            `.onnx_adapter` file.
         BindingError: an adapted weight is missing from the base model or has another shape.
 
     Example:
         >>> merged = onnxtrain.apply_adapters("gpt2.onnx", "gpt2.lora.adapter.onnx")
         >>> onnxtrain.save_model(merged, "gpt2.merged.onnx")
+        >>> merged = onnxtrain.apply_adapters("genai/model.onnx", "math.onnx_adapter")
     """
     from onnxtrain._recipe.lora_export import apply_adapter_file
 

@@ -29,7 +29,9 @@ from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
 from onnxtrain._recipe.lora import read_record
-from onnxtrain._recipe.lora_export import export_transform
+from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
+from onnxtrain._io.onnx_adapter import write_onnx_adapter
+from onnxtrain._recipe.lora_export import adapter_ready_transform, export_transform, onnx_adapter_parameters
 from onnxtrain._recipe.peft_export import write_peft_adapter
 from onnxtrain.errors import ExportError, InputError, ModelLoadError
 from onnxtrain.data import Data, fit_data
@@ -387,27 +389,38 @@ class Core:
             key = self._store.key
         write_model(self._model, values, self._home, path, key if training else None, external_data, transform)
 
-    def export_adapters(self, path: str | os.PathLike, drop_prefix: str = "") -> None:
-        """Write the LoRA adapters as peft writes them: `path` becomes a folder holding
-        adapter_config.json and adapter_model.safetensors, which
-        `peft.PeftModel.from_pretrained(torch_model, path)` puts on the torch model the ONNX
-        export came from (modules named by the paths the exporter recorded).
+    def export_adapters(self, path: str | os.PathLike, drop_prefix: str = "",
+                        base: str | os.PathLike | None = None) -> None:
+        """Write the LoRA adapters for the runtime that serves them, by `path`:
+
+        - `<name>.onnx_adapter`: ONNX Runtime's adapter file, which ONNX Runtime GenAI loads
+          (`og.Adapters(model).load(path, name)`) and binds to an adapter-ready base; `base`
+          writes that base (the model with each A and B as an input whose default is empty,
+          so it serves the base model until an adapter is active). One base serves every
+          adapter trained on the same layers.
+        - any other path: a folder with peft's adapter_config.json and
+          adapter_model.safetensors, which `peft.PeftModel.from_pretrained(torch_model, path)`
+          puts on the torch model the ONNX export came from (modules named by the paths the
+          exporter recorded).
 
         Args:
-            path: the folder to write (created; its two files are replaced atomically).
-            drop_prefix: a start to remove from every module path: the attribute a wrapper
-                module held the model as when it was exported (e.g. "model.").
+            path: the adapter file, or the folder (created; its files are replaced atomically).
+            drop_prefix: for peft, a start to remove from every module path: the attribute a
+                wrapper module held the model as when it was exported (e.g. "model.").
+            base: with an `.onnx_adapter` path, where to write the adapter-ready base model.
 
         Returns:
-            None; both files are complete once this returns.
+            None; every file is complete once this returns.
 
         Raises:
             ExportError: the model has no adapters, trains base weights fully besides them
-                (peft's file would lose them), an adapted layer's module is unknown, or the
-                folder cannot be written.
+                (an adapter file would lose them), an adapted layer's module is unknown
+                (peft) or is a Conv (ONNX Runtime), base is given for peft, or a file cannot
+                be written.
 
         Example:
             >>> trainer.export_adapters("qwen2-lora")   # PeftModel.from_pretrained(model, "qwen2-lora")
+            >>> trainer.export_adapters("math.onnx_adapter", base="genai/model.onnx")
         """
         record = read_record(self._model)
         if record is None:
@@ -417,12 +430,23 @@ class Core:
         initializers = {tensor.name for tensor in self._model.graph.initializer}
         fully = sorted(name for name in self._home if name in initializers and name not in factors)
         if fully:
-            raise ExportError(f"besides its adapters the model trains {fully[:5]} fully, which peft's adapter "
-                              "file would leave out; write export(path, training=False, merge=False) (the "
-                              "adapter file keeps them) or the merged model")
+            raise ExportError(f"besides its adapters the model trains {fully[:5]} fully, which an adapter file "
+                              "would leave out; write export(path, training=False, merge=False) (its adapter "
+                              "file keeps them) or the merged model")
         with self._store.transaction():
             values = host_copy({name: self._store.values[name] for name in factors})
-        write_peft_adapter(path, record, values, drop_prefix)
+        if not os.fspath(path).endswith(ONNX_ADAPTER):
+            if base is not None:
+                raise ExportError(f"base= writes the model ONNX Runtime binds an {ONNX_ADAPTER} file to; "
+                                  f"name the adapter file <name>{ONNX_ADAPTER}")
+            write_peft_adapter(path, record, values, drop_prefix)
+            return
+        write_onnx_adapter(path, onnx_adapter_parameters(record, values))
+        if base is not None:
+            with self._store.transaction():
+                state = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
+            write_model(self._model, state, self._home, base, None, None,
+                        adapter_ready_transform(os.fspath(base), set(self._home)))
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save every state variable, optimizer slot, hyperparameter and the PRNG key (no pickle)."""

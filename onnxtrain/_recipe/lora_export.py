@@ -16,6 +16,8 @@ import numpy as np
 from onnxtrain._io.export import replace_initializer
 from onnxtrain._io.external_data import mark_external, uses_external_data
 from onnxtrain._io.model import ModelSource, load_model, save_model
+from onnxtrain._io.onnx_adapter import IDENTIFIER, read_onnx_adapter
+from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
 from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
 from onnxtrain._recipe.quantized import standardize_matmul_nbits
 from onnxtrain.adapters import LoRA
@@ -155,6 +157,9 @@ def adapter_model(model: ModelProto, trained: Collection[str] = ()) -> ModelProt
 
 def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool = True) -> ModelProto:
     """See onnxtrain.apply_adapters."""
+    data = _onnx_adapter_bytes(adapter_file)
+    if data is not None:
+        return _bind(load_model(base), read_onnx_adapter(data, str(adapter_file)), merge)
     model = load_model(base)
     adapters = load_model(adapter_file)
     record = read_record(adapters)
@@ -192,6 +197,49 @@ def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool
     return fold(model) if merge else model
 
 
+def _onnx_adapter_bytes(source: ModelSource) -> bytes | None:
+    """The bytes of an ONNX Runtime adapter file (a path ending in .onnx_adapter, or bytes
+    carrying its identifier), else None."""
+    if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(ONNX_ADAPTER):
+        try:
+            with open(source, "rb") as file:
+                return file.read()
+        except OSError as error:
+            raise ModelLoadError(f"cannot read {source}: {error.strerror or error}") from None
+    if isinstance(source, (bytes, bytearray)) and bytes(source[4:8]) == IDENTIFIER:
+        return bytes(source)
+    return None
+
+
+def _bind(model: ModelProto, parameters: Mapping[str, np.ndarray], merge: bool) -> ModelProto:
+    """The adapter-ready base `model` (see adapter_ready_transform) with an .onnx_adapter
+    file's factors in its A and B inputs' place, folded in with merge."""
+    record = read_record(model)
+    if record is None:
+        raise ModelLoadError("an .onnx_adapter file binds to the adapter-ready base that "
+                             "export_adapters(..., base=...) writes; this base model carries no adapters")
+    names = {name for entry in record["weights"].values() for name in (entry["A"], entry["B"])}
+    missing = sorted(names - set(parameters))
+    if missing:
+        raise BindingError(f"the adapter file lacks {missing[:4]}, which the base model's adapter inputs name "
+                           "(an adapter trained on other layers?)")
+    ranks = {parameters[entry["A"]].shape[-1] for entry in record["weights"].values()}
+    for entry in record["weights"].values():
+        a, b = parameters[entry["A"]], parameters[entry["B"]]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or len(ranks) != 1:
+            raise BindingError(f"the adapter file's {entry['A']} {list(a.shape)} and {entry['B']} {list(b.shape)} "
+                               "are not the two factors of one rank")
+        replace_initializer(model.graph, entry["A"], a)
+        replace_initializer(model.graph, entry["B"], b)
+    kept = [value for value in model.graph.input if value.name not in names]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    # The file's B carries alpha/rank and the base's branch multiplies by 1.
+    rank = ranks.pop()
+    set_record(model, {**record, "rank": int(rank), "alpha": float(rank)})
+    return fold(model) if merge else model
+
+
 def describe_adapters(model: ModelProto) -> list[str]:
     """Lines for `onnxtrain inspect`: each adapted weight, its kind, rank and factors."""
     record = read_record(model)
@@ -224,6 +272,52 @@ def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Colle
         if set(entries) - {"location", "offset", "length"} or "length" not in entries:
             continue   # a checksum or a missing length, which this writer does not reproduce: copy
         mark_external(tensor, entries["location"], int(entries.get("offset", 0)), int(entries["length"]))
+
+
+def onnx_adapter_parameters(record: Mapping, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The parameters of an `.onnx_adapter` file for these adapters: A, and B times alpha/rank
+    (the adapter-ready base multiplies by 1, so adapters of other ranks and alphas fit it).
+
+    Raises:
+        ExportError: a Conv adapter (ONNX Runtime binds adapters to MatMul layers).
+    """
+    scale = record["alpha"] / record["rank"]
+    parameters = {}
+    for weight, entry in record["weights"].items():
+        if entry["kind"] == "Conv":
+            raise ExportError(f"weight {weight!r} is a Conv's; ONNX Runtime's adapter files hold the "
+                              "factors of MatMul and Gemm layers only: write export(..., merge=False)")
+        a, b = values[entry["A"]], values[entry["B"]]
+        parameters[entry["A"]] = a
+        parameters[entry["B"]] = (b.astype(np.float64) * scale).astype(b.dtype)
+    return parameters
+
+
+def adapter_ready_transform(path: str, written: Collection[str] = ()):
+    """What an export of the adapter-ready base does before saving: each A and B becomes a
+    graph input ([in, rank] and [rank, out], the rank open) whose default is empty ([in, 0],
+    [0, out]), so the branch adds nothing until ONNX Runtime binds an adapter file's factors
+    to them by name, and each branch's scale becomes 1 (the file's B carries alpha/rank)."""
+
+    def transform(out: ModelProto) -> ModelProto:
+        record = read_record(out)
+        scale = record["alpha"] / record["rank"]
+        initializers = {t.name: t for t in out.graph.initializer}
+        for entry in record["weights"].values():
+            a, b = initializers[entry["A"]], initializers[entry["B"]]
+            dtype = ELEMENT_TYPES[a.data_type].dtype
+            rank = f"{entry['A']}.rank"
+            replace_initializer(out.graph, entry["A"], np.zeros((a.dims[0], 0), dtype))
+            replace_initializer(out.graph, entry["B"], np.zeros((0, b.dims[1]), dtype))
+            out.graph.input.extend([tensor_value_info(entry["A"], a.data_type, [a.dims[0], rank]),
+                                    tensor_value_info(entry["B"], b.data_type, [rank, b.dims[1]])])
+            for site in entry["sites"]:
+                factor = tensor_to_numpy(initializers[site["scale"]])
+                replace_initializer(out.graph, site["scale"], (factor.astype(np.float64) / scale).astype(factor.dtype))
+        _share_base_data(out, record, path, written)
+        return out
+
+    return transform
 
 
 def export_transform(model: ModelProto, training: bool, merge: bool | None, path: str,
