@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -157,7 +158,7 @@ class Trainer(Core):
 
     def export(self, path: str | os.PathLike, training: bool = True,
                external_data: bool | str | None = None, merge: bool | None = None,
-               portable: bool | str = False) -> None:
+               portable: bool | str = False, example_feeds: Mapping[str, Any] | None = None) -> None:
         """Write the model with every state variable's current value in its initializer.
 
         Args:
@@ -180,6 +181,11 @@ class Trainer(Core):
                 that name), outputs are the algorithm's unbound outputs and the next state;
                 the JSON manifest in metadata_props["onnxtrain.step"] pairs them
                 (docs/design/portable.md, examples/portable_ort.py).
+            example_feeds: for portable, a batch as step() takes it, at which the forward
+                pass is traced to write its backward (only shapes and index values matter).
+                By default the last batch a step ran; before any step, feeds invented from
+                the declared shapes (open axes 3, integer inputs 0), which models relating
+                their inputs (a KV cache's lengths, position ids) refuse.
 
         Returns:
             None; the file at `path` is complete once this returns.
@@ -187,6 +193,7 @@ class Trainer(Core):
         Raises:
             ExportError: the file cannot be written, merge does not apply (see merge), or
                 portable is asked for an inference export or an op without a standard-op form.
+            InputError: example_feeds do not fit the step's inputs.
 
         Example:
             >>> trainer.export("model.trained.onnx", training=False)   # for ONNX Runtime
@@ -195,7 +202,12 @@ class Trainer(Core):
         if portable is False:
             self._write(path, training, external_data, merge)
             return
-        transform = portable_transform(portable, training, merge)
+        if example_feeds is not None:
+            runner = self._runner(0)
+            feeds = {name: np.asarray(value) for name, value in runner.step.check_feeds(example_feeds).items()}
+        else:
+            feeds = self._last_feeds()
+        transform = portable_transform(portable, training, merge, feeds)
         with self._store.transaction():
             values = host_copy({name: value for name, value in self._store.values.items() if name in self._home})
             key = self._store.key

@@ -80,6 +80,9 @@ class Core:
         self._evaluations = [*evaluations, *[None] * (len(steps) - len(evaluations))]
         self._other_programs = [*other_programs, *(p for p in self._evaluations if p is not None)]
         self._dry_run_said = False
+        # The feeds of the last batch a step ran (a stacked run's, with True): what a portable
+        # export traces the model at unless given other feeds.
+        self._last_batch: tuple[dict[str, Any], bool] | None = None
         self.state_names: tuple[str, ...] = tuple(state_names)
 
     @property
@@ -159,6 +162,7 @@ class Core:
         with self._store.transaction():
             # A step that has read its feeds when it returns can take the caller's arrays as they are.
             placed = self._placed(runner, feeds, copy=not runner.done_with_feeds(self._store))
+            self._last_batch = (placed, False)
             return runner.run(self._store, placed)
 
     def step_inputs(self, algorithm: int = 0) -> list[str]:
@@ -300,6 +304,13 @@ class Core:
                    steps_per_call, drop_last, lambda feeds: check(feeds, copy=False), measured, verbose=verbose,
                    trainer=self, ahead=lambda known: ahead(known if steps_per_call == 1 else []))
 
+    def _last_feeds(self) -> dict[str, np.ndarray] | None:
+        """The feeds of the last batch a step ran, as host arrays (None before any step)."""
+        if self._last_batch is None:
+            return None
+        placed, stacked = self._last_batch
+        return {name: np.asarray(value[-1] if stacked else value) for name, value in placed.items()}
+
     def _data_seed(self) -> list[int]:
         """The shuffle's seed, drawn from the state's PRNG key (which each step advances)."""
         with self._store.transaction():
@@ -319,10 +330,16 @@ class Core:
             # Uncopied: a run of batches is stacked into a new array (or, from fit, rows of one
             # that holds fit's own copies: see batches.StackBuilder); a single batch is copied.
             checked = [place.check_batch(runner.step.check_feeds(feeds, copy=False), where) for feeds in batches]
-            return [runner.run_many(self._store, place.place_batch(stack(run), where, stacked=True), settle_later)
-                    if len(run) > 1 else
-                    runner.run(self._store, place.place_batch(owned(run[0]), where), settle_later=settle_later)
-                    for run in same_signature_runs(checked)]
+            results = []
+            for run in same_signature_runs(checked):
+                if len(run) > 1:
+                    placed = place.place_batch(stack(run), where, stacked=True)
+                    results.append(runner.run_many(self._store, placed, settle_later))
+                else:
+                    placed = place.place_batch(owned(run[0]), where)
+                    results.append(runner.run(self._store, placed, settle_later=settle_later))
+                self._last_batch = (placed, len(run) > 1)
+            return results
 
     def compile(self, feeds: Mapping[str, Any] | Sequence[Mapping[str, Any]], algorithm: int = 0) -> int:
         """Compile, ahead of the first step, the programs that step(), fit() and evaluate()

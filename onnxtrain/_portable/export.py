@@ -9,8 +9,9 @@ the unbound outputs and the new state out, described by a manifest (manifest.py)
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -34,11 +35,12 @@ PORTABLE_IR_VERSION = 10
 PORTABLE_IR_MAX_OPSET = 22
 
 
-def portable_model(model: ModelProto) -> ModelProto:
+def portable_model(model: ModelProto, feeds: Mapping[str, np.ndarray] | None = None) -> ModelProto:
     """`model` with every algorithm graph in standard ops, the same bindings and values.
 
     Args:
         model: a training model (onnxtrain.proto) with its state values in its initializers.
+        feeds: a batch the expansion traces the forward nodes at (see _expanded).
 
     Returns:
         A new model: no node of, and no opset import for, ai.onnx.preview.training; the
@@ -59,7 +61,7 @@ def portable_model(model: ModelProto) -> ModelProto:
                 raise ExportError(f"portable export: training_info[{index}]'s initialization graph uses "
                                   f"{proto.op_type} ({proto.domain}), which has no standard-op form here; "
                                   "write the initialization with standard ops")
-        _, algorithm, constants = _expanded(out, index)
+        _, algorithm, constants = _expanded(out, index, feeds)
         del info.algorithm.node[:]
         info.algorithm.node.extend(algorithm)
         info.algorithm.initializer.extend(constants)
@@ -67,7 +69,7 @@ def portable_model(model: ModelProto) -> ModelProto:
     return out
 
 
-def step_model(model: ModelProto, algorithm: int = 0) -> ModelProto:
+def step_model(model: ModelProto, algorithm: int = 0, feeds: Mapping[str, np.ndarray] | None = None) -> ModelProto:
     """One algorithm of `model` as a plain model: feeds and state in, outputs and new state out.
 
     Every state variable is a required input named as the variable; the value it has now is
@@ -80,6 +82,7 @@ def step_model(model: ModelProto, algorithm: int = 0) -> ModelProto:
     Args:
         model: a training model (onnxtrain.proto) with its state values in its initializers.
         algorithm: which TrainingInfoProto's algorithm to write.
+        feeds: a batch the expansion traces the forward nodes at (see _expanded).
 
     Returns:
         The step model, without training_info, its manifest in metadata_props[MANIFEST_KEY].
@@ -94,7 +97,7 @@ def step_model(model: ModelProto, algorithm: int = 0) -> ModelProto:
         raise ExportError(f"the model has {len(model.training_info)} TrainingInfoProto(s); there is no "
                           f"algorithm {algorithm} to write as a step model")
     info = model.training_info[algorithm]
-    main, rest, constants = _expanded(model, algorithm)
+    main, rest, constants = _expanded(model, algorithm, feeds)
     values = {**graph_initializers(model.graph), **graph_initializers(info.algorithm)}
     bound = [(b.key, b.value) for b in info.update_binding]
     settings = [b.key for b in info.initialization_binding if b.key not in dict(bound)]
@@ -142,9 +145,10 @@ def _fresh(wanted: str, taken: set[str]) -> str:
     return name
 
 
-def portable_transform(portable: bool | str, training: bool, merge: bool | None
-                       ) -> Callable[[ModelProto], ModelProto]:
-    """What Trainer.export(portable=...) applies to the finished training model.
+def portable_transform(portable: bool | str, training: bool, merge: bool | None,
+                       feeds: Mapping[str, np.ndarray] | None = None) -> Callable[[ModelProto], ModelProto]:
+    """What Trainer.export(portable=...) applies to the finished training model; `feeds` is
+    the batch the expansion traces the forward nodes at (None: invented, see example_feeds).
 
     Raises:
         ExportError: portable is neither True nor "step", or is combined with training=False
@@ -156,7 +160,9 @@ def portable_transform(portable: bool | str, training: bool, merge: bool | None
     if not training or merge:
         raise ExportError("portable export writes a training model: call export(path, portable=...) "
                           "without training=False or merge=True")
-    return portable_model if portable is True else step_model
+    if portable is True:
+        return functools.partial(portable_model, feeds=feeds)
+    return functools.partial(step_model, feeds=feeds)
 
 
 def example_feeds(inputs: Sequence[ValueInfoProto], seed: int = 0) -> dict[str, np.ndarray]:
@@ -184,14 +190,25 @@ def example_feeds(inputs: Sequence[ValueInfoProto], seed: int = 0) -> dict[str, 
     return feeds
 
 
-def _expanded(model: ModelProto, index: int) -> tuple[list[NodeProto], list[NodeProto], list[TensorProto]]:
+def _expanded(model: ModelProto, index: int, given: Mapping[str, np.ndarray] | None = None
+              ) -> tuple[list[NodeProto], list[NodeProto], list[TensorProto]]:
     """(main graph nodes, algorithm nodes, new constants) of TrainingInfoProto `index` in
-    standard ops."""
+    standard ops, the forward traced at the batch `given` (every feed of the step), or else at
+    invented feeds (see example_feeds), which a model relating its inputs' sizes or values
+    (a KV cache's lengths, position ids) may refuse."""
     info = model.training_info[index]
     opset = _default_opset(model)
     initializers = {**graph_initializers(model.graph), **graph_initializers(info.algorithm)}
     inputs = [v for g in (model.graph, info.algorithm) for v in g.input]
-    feeds = example_feeds([v for v in inputs if v.name not in initializers])
+    wanted = [v for v in inputs if v.name not in initializers]
+    if given is None:
+        feeds = example_feeds(wanted)
+    else:
+        missing = [v.name for v in wanted if v.name not in given]
+        if missing:
+            raise ExportError(f"portable export: the example feeds lack {missing}; give a whole batch as "
+                              "step() takes it")
+        feeds = {v.name: np.asarray(given[v.name]) for v in wanted}
     nodes = [*model.graph.node, *info.algorithm.node]
     # The main graph stays the inference graph as exported; the backward goes after it.
     kept = len(model.graph.node)

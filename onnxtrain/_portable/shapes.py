@@ -78,7 +78,9 @@ def example_values(nodes: Sequence[NodeProto], initializers: Mapping[str, Tensor
             # Tracing only: compiling the forward would cost more than the whole expansion.
             abstract = jax.eval_shape(forward, translated.params, dict(feeds), jax.random.PRNGKey(0))
     except OnnxTrainError as error:
-        raise ExportError(f"portable export: the forward nodes do not run at the example feeds: {error}") from error
+        raise ExportError(f"portable export: the forward nodes do not run at the example feeds: {error}. "
+                          "Pass a real batch, export(..., portable=..., example_feeds=batch), or run a step "
+                          "first (its batch is the default)") from error
     values = ExampleValues({name: np.asarray(value)
                             for name, value in {**translated.plan.constants, **translated.params}.items()})
     values.update((name, np.asarray(value)) for name, value in feeds.items())
@@ -117,5 +119,5 @@ def check_example_sizes(inputs: Sequence[ValueInfoProto], feeds: Mapping[str, np
             if not dim.HasField("dim_value") and axis < np.ndim(feeds[info.name]) \
                     and np.shape(feeds[info.name])[axis] == 1:
                 raise ExportError(f"portable export: the example value of input {info.name!r} has size 1 "
-                                  f"along axis {axis}, which the model leaves open; give example feeds "
+                                  f"along axis {axis}, which the model leaves open; pass example_feeds= "
                                   "with a size of 2 or more there")

@@ -27,19 +27,7 @@ PREFIX = {"dynamo_static": "model.", "dynamo_dynamic": "model.", "dynamo_kv": "m
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    folder, model, made = tmp_path_factory.mktemp("qwen2"), llm_exports.causal_lm("qwen2"), {}
-
-    def build(route: str):
-        if route not in made:
-            try:
-                made[route] = llm_exports.export(route, model, folder)
-            except llm_exports.Unavailable as missing:
-                made[route] = missing
-        if isinstance(made[route], llm_exports.Unavailable):
-            pytest.skip(str(made[route]))
-        return made[route]
-
-    return build
+    return llm_exports.exporter(tmp_path_factory.mktemp("qwen2"))
 
 
 def peft_modules(targets: list[str]) -> set[str]:

@@ -149,6 +149,26 @@ def export(route: str, model, folder: Path) -> Path:
     return path
 
 
+def exporter(folder: Path, family: str = "qwen2"):
+    """build(route) -> the path of one `family` model exported by `route` into `folder`, each
+    route exported once; a route whose tool is missing skips the calling test, saying why."""
+    import pytest
+
+    model, made = causal_lm(family), {}
+
+    def build(route: str) -> Path:
+        if route not in made:
+            try:
+                made[route] = export(route, model, folder)
+            except Unavailable as missing:
+                made[route] = missing
+        if isinstance(made[route], Unavailable):
+            pytest.skip(str(made[route]))
+        return made[route]
+
+    return build
+
+
 def _tokenizer():
     """A word-level tokenizer over the vocabulary: the genai builder and optimum read one."""
     import transformers
