@@ -19,7 +19,7 @@ from onnxtrain._io.model import ModelSource, load_model, save_model
 from onnxtrain._io.onnx_adapter import IDENTIFIER, read_onnx_adapter
 from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
 from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
-from onnxtrain._recipe.quantized import standardize_matmul_nbits
+from onnxtrain._recipe.quantized import quantization_grids, restore_matmul_nbits, standardize_matmul_nbits
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
@@ -194,7 +194,9 @@ def apply_adapter_file(base: ModelSource, adapter_file: ModelSource, merge: bool
     inserted = insert(model, lora, chosen, factors)
     if any(inserted["weights"][w]["A"] != record["weights"][w]["A"] for w in inserted["weights"]):
         raise BindingError("the adapter's tensor names do not fit the base model (another base model?)")
-    return fold(model) if merge else model
+    grids = quantization_grids(model)
+    restore_matmul_nbits(fold(model) if merge else model, grids)
+    return model
 
 
 def _onnx_adapter_bytes(source: ModelSource) -> bytes | None:
@@ -343,11 +345,15 @@ def export_transform(model: ModelProto, training: bool, merge: bool | None, path
         return None
 
     def transform(out: ModelProto) -> ModelProto:
+        # MatMulNBits bases are written back as such, a merged weight quantized again.
         if merge is None or merge:
-            return fold(out)
+            grids = quantization_grids(out)
+            restore_matmul_nbits(fold(out), grids)
+            return out
         initializers = {t.name for t in out.graph.initializer}
         save_model(adapter_model(out, [name for name in written if name in initializers]),
                    adapter_path(str(path)))
+        restore_matmul_nbits(out)
         _share_base_data(out, record, path, written)
         return out
 

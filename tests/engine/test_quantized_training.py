@@ -245,12 +245,20 @@ def test_lora_on_onnxruntimes_int8_llama_trains_like_lora_on_its_float_weights(l
     assert min(losses) < 0.96 * losses[0] and losses[-1] < losses[0], losses
     path = tmp_path / "merged.onnx"
     ours.export(path)
-    (served,) = onnxruntime_outputs(onnx.load(path), {"input_ids": ids})
+    merged = onnx.load(path)
+    # Every MatMulNBits written back, the merged weights quantized again to 8 bits: within a
+    # few steps of 1/255 of the weights' range of what infer() computes in floats.
+    assert [n.name for n in merged.graph.node if n.op_type == "MatMulNBits"] == \
+        [n.name for n in base.graph.node if n.op_type == "MatMulNBits"]
+    (served,) = onnxruntime_outputs(merged, {"input_ids": ids})
     inferred = np.asarray(ours.infer({"input_ids": ids})["logits"])
-    np.testing.assert_allclose(served, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
-    # The adapter file, applied again to the quantized base as onnxruntime wrote it.
+    np.testing.assert_allclose(served, inferred, rtol=0, atol=1e-2 * np.abs(inferred).max())
+    # The branch export keeps the adapters exact beside the 8-bit base.
     ours.export(tmp_path / "branch.onnx", merge=False)
-    reapplied = onnxtrain.apply_adapters(base.SerializeToString(), tmp_path / "branch.adapter.onnx")
+    (branch,) = onnxruntime_outputs(onnx.load(tmp_path / "branch.onnx"), {"input_ids": ids})
+    np.testing.assert_allclose(branch, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
+    # The adapter file, applied again to the quantized base as onnxruntime wrote it, as a branch.
+    reapplied = onnxtrain.apply_adapters(base.SerializeToString(), tmp_path / "branch.adapter.onnx", merge=False)
     (again,) = onnxruntime_outputs(onnx.ModelProto.FromString(reapplied.SerializeToString()), {"input_ids": ids})
     np.testing.assert_allclose(again, inferred, rtol=0, atol=1e-4 * np.abs(inferred).max())
 
