@@ -78,7 +78,7 @@ class FineTuner(Core):
         limit = ProgramLimit(max_programs)
         enable_compilation_cache()
         source, model = model, load_model(model)
-        prepare(model, repair, "finetune")
+        prepare(model, repair, "finetune", frozen_base=adapters is not None and trainable is None)
         names = trained_weights(model, trainable, adapters, output, source)
         if not names:
             raise BindingError("no trainable weights: the model has no float initializers to train "

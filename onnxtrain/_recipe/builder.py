@@ -154,7 +154,8 @@ def make_training_model(
     if model.training_info:
         raise BindingError("the model already has training_info; strip it first "
                            "(or train it as it is with onnxtrain.Trainer)")
-    prepare(model, repair, "make_training_model", lift_folded_weights)
+    prepare(model, repair, "make_training_model", lift_folded_weights,
+            frozen_base=adapters is not None and trainable is None)
     weights = trained_weights(model, trainable, adapters, output, source)
     if not weights:
         raise BindingError("no trainable weights: the main graph has no float initializers to train "

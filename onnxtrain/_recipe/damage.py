@@ -377,10 +377,16 @@ def _position_tables(model: ModelProto) -> Finding | None:
                    "default_trainable(model).weights, NAME].", note=True)
 
 
-def warn_damage(findings: Iterable[Finding], repaired: Iterable[str], where: str) -> None:
-    """One warning listing the findings no requested repair undid (notes are for inspect)."""
+# Damage to how the base model's own weights train: nothing to say when only adapters train.
+BASE_TRAINING = frozenset({"folded_batchnorm", "duplicated_weights", "merged_weights", "position_tables"})
+
+
+def warn_damage(findings: Iterable[Finding], repaired: Iterable[str], where: str, frozen_base: bool = False) -> None:
+    """One warning listing the findings no requested repair undid (notes are for inspect);
+    with frozen_base (adapters train, no base weight does), not those about how base weights train."""
     repaired = set(repaired)
-    left = [f for f in findings if not f.note and f.repair not in repaired]
+    left = [f for f in findings if not f.note and f.repair not in repaired
+            and not (frozen_base and f.kind in BASE_TRAINING)]
     if left:
         lines = "\n".join(f"- {f.text()}" for f in left)
         warnings.warn(f"{where}: the model shows export damage that changes how it trains:\n{lines}",
@@ -392,15 +398,16 @@ class ExportDamageWarning(UserWarning):
 
 
 def prepare(model: ModelProto, repair: Iterable[str] | str | None, where: str,
-            lift_folded_weights: bool = False) -> list[str]:
+            lift_folded_weights: bool = False, frozen_base: bool = False) -> list[str]:
     """What make_training_model and finetune do to a model first: warn once about the damage
-    the requested repairs leave, then apply them (in place); what was repaired.
+    the requested repairs leave (with frozen_base, only what matters when adapters alone
+    train), then apply them (in place); what was repaired.
 
     Raises:
         BindingError: an unknown repair name or a repair that cannot be sound (see repair()).
     """
     names = repair_names(repair, lift_folded_weights)
-    warn_damage(detect(model, notes=False), names, where)
+    warn_damage(detect(model, notes=False), names, where, frozen_base)
     return _repair(model, names)
 
 

@@ -278,3 +278,22 @@ def test_inserted_batchnorm_is_named_after_the_torch_module():
     damage.repair(model, ["insert_batchnorm"])
     names = {t.name for t in graph.initializer}
     assert {"w1.bn.weight", "w1.bn.running_var", "block.c2.bn.bias", "block.c2.bn.running_mean"} <= names
+
+
+@pytest.mark.parametrize("adapters, trainable, said", [
+    (None, None, True),                          # a full fine-tune trains the merged tensor
+    (onnxtrain.LoRA(2, 4, targets=["W"]), None, False),   # only the adapters train
+    (onnxtrain.LoRA(2, 4, targets=["W"]), ["s"], True),   # the merged tensor trains beside them
+])
+def test_merged_weights_are_said_only_where_base_weights_train(adapters, trainable, said):
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Mul", ["m", "s"], ["h"]),
+             helper.make_node("Mul", ["h", "s"], ["y"])]
+    model = _graph_model(nodes, {"W": RNG.normal(size=(8, 8)), "s": np.full(8, 1e-6)}, [("x", [2, 8])],
+                         [("y", [2, 8])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        onnxtrain.make_training_model(model, loss="mse", adapters=adapters, trainable=trainable)
+    texts = [str(w.message) for w in caught if issubclass(w.category, ExportDamageWarning)]
+    # The fixed batch of 2 matters to every run; the merged scales only where they train.
+    assert texts and "fixed batch size of 2" in texts[0]
+    assert ("merged into one tensor" in texts[0]) == said
