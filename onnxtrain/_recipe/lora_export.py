@@ -8,7 +8,9 @@ names, with W + (alpha/rank)·A·B in each adapted weight's place.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -19,7 +21,8 @@ from onnxtrain._io.model import ModelSource, load_model, save_model
 from onnxtrain._io.onnx_adapter import IDENTIFIER, read_onnx_adapter
 from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
 from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
-from onnxtrain._recipe.quantized import quantization_grids, restore_matmul_nbits, standardize_matmul_nbits
+from onnxtrain._recipe.quantized import (quantization_grids, recorded, restore_matmul_nbits,
+                                         standardize_matmul_nbits)
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
@@ -28,26 +31,50 @@ from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_to_numpy
 
 ADAPTER_SUFFIX = ".adapter.onnx"
+logger = logging.getLogger("onnxtrain")
 
 
-def _dequantized(graph: GraphProto, item: NodeProto) -> np.ndarray:
-    """DequantizeLinear of initializers in float64: per tensor, per axis or blocked."""
+def _quantization(graph: GraphProto, item: NodeProto) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(integers, scale, zero point) of a DequantizeLinear of initializers, the last two in
+    float64 and broadcast to the integers' shape: per tensor, per axis or blocked."""
     values = {t.name: t for t in graph.initializer}
-    data = tensor_to_numpy(values[item.input[0]]).astype(np.float64)
+    data = tensor_to_numpy(values[item.input[0]])
     scale = tensor_to_numpy(values[item.input[1]]).astype(np.float64)
     zero = (tensor_to_numpy(values[item.input[2]]).astype(np.float64)
             if len(item.input) > 2 and item.input[2] else np.zeros_like(scale))
     if scale.size == 1 and scale.ndim <= 1:
-        return (data - zero.reshape(())) * scale.reshape(())
+        return data, np.broadcast_to(scale.reshape(()), data.shape), np.broadcast_to(zero.reshape(()), data.shape)
     axis = int(attribute_value(item, "axis", 1)) % data.ndim
     block = int(attribute_value(item, "block_size", 0))
     if block:
         scale = np.repeat(scale, block, axis=axis).take(range(data.shape[axis]), axis=axis)
         zero = np.repeat(zero, block, axis=axis).take(range(data.shape[axis]), axis=axis)
-        return (data - zero) * scale
+        return data, scale, zero
     shape = [1] * data.ndim
     shape[axis] = -1
-    return (data - zero.reshape(shape)) * scale.reshape(shape)
+    return (data, np.broadcast_to(scale.reshape(shape), data.shape),
+            np.broadcast_to(zero.reshape(shape), data.shape))
+
+
+def _dequantized(graph: GraphProto, item: NodeProto) -> np.ndarray:
+    """DequantizeLinear of initializers in float64: per tensor, per axis or blocked."""
+    data, scale, zero = _quantization(graph, item)
+    return (data.astype(np.float64) - zero) * scale
+
+
+def _on_grid(graph: GraphProto, item: NodeProto, target: np.ndarray) -> tuple[np.ndarray, float] | None:
+    """`target` (float64, the integers' shape) rounded onto the grid of DequantizeLinear
+    `item` (its scales and zero points kept), as integers of the stored type, and the largest
+    change relative to target's largest magnitude; None where a value falls past the grid's
+    range (rounding it there would clip the merged weight)."""
+    data, scale, zero = _quantization(graph, item)
+    low, high = (0, 15) if data.dtype.name == "uint4" else (-8, 7) if data.dtype.name == "int4" else (
+        np.iinfo(data.dtype).min, np.iinfo(data.dtype).max)
+    integers = np.round(target / np.where(scale != 0, scale, 1.0)) + zero
+    if integers.min() < low or integers.max() > high:
+        return None
+    change = np.abs((integers - zero) * scale - target).max() / max(np.abs(target).max(), 1e-30)
+    return integers.astype(data.dtype), float(change)
 
 
 def delta(entry: Mapping, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
@@ -64,9 +91,12 @@ def delta(entry: Mapping, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndar
 
 def fold(model: ModelProto) -> ModelProto:
     """`model` (with an adapter branch) as the original graph with each adapted weight replaced
-    by W + (alpha/rank)·A·B (in place; returned). A quantized base weight becomes a float
-    initializer named as its DequantizeLinear output; the integer tensor, scale and zero point
-    go when nothing else reads them."""
+    by W + (alpha/rank)·A·B (in place; returned). A quantized base weight (a DequantizeLinear
+    of integers) is rounded onto its own grid: the integers change, the scales, zero points and
+    nodes stay (the largest change is logged). A MatMulNBits' rewritten weight, integers other
+    nodes read too, or a merged weight past its grid's range become instead a float
+    initializer named as the DequantizeLinear output (restore_matmul_nbits quantizes the first
+    again); the integer tensor, scale and zero point go when nothing else reads them."""
     record = read_record(model)
     if record is None:
         return model
@@ -78,6 +108,9 @@ def fold(model: ModelProto) -> ModelProto:
     renamed: dict[str, str] = {}
     folded: set[str] = set()
     producers = {out: item for item in graph.node for out in item.output}
+    readers = Counter(name for item in graph.node for name in item.input)
+    rewritten = {f"{original['inputs'][0]}.dq" for original in recorded(model)}
+    changes: list[float] = []
     for weight, entry in record["weights"].items():
         a = tensor_to_numpy(initializers[entry["A"]])
         b = tensor_to_numpy(initializers[entry["B"]])
@@ -88,9 +121,20 @@ def fold(model: ModelProto) -> ModelProto:
             renamed[site["base"]] = site["output"]
         if entry["quantized"]:
             dequantize = producers[weight]
-            base = _dequantized(graph, dequantize)
+            merged = _dequantized(graph, dequantize) + delta(entry, a, b, scale)
+            integers = dequantize.input[0]
+            gridded = _on_grid(graph, dequantize, merged) if integers not in rewritten and readers[integers] == 1 \
+                else None
+            if gridded is not None:
+                # Quantized again on the base's grid: the model keeps its integers and QDQ nodes.
+                replace_initializer(graph, integers, gridded[0])
+                changes.append(gridded[1])
+                continue
+            # A MatMulNBits' rewritten weight (restore_matmul_nbits quantizes it again), integers
+            # other nodes read too, or a merged weight past the grid's range: a float
+            # initializer in the DequantizeLinear's place.
             dtype = ELEMENT_TYPES[initializers[dequantize.input[1]].data_type].dtype
-            graph.initializer.append(numpy_to_tensor((base + delta(entry, a, b, scale)).astype(dtype), weight))
+            graph.initializer.append(numpy_to_tensor(merged.astype(dtype), weight))
             folded.add(weight)   # its DequantizeLinear goes: the weight is an initializer now
         else:
             stored = tensor_to_numpy(initializers[weight])
@@ -113,6 +157,10 @@ def fold(model: ModelProto) -> ModelProto:
     del graph.initializer[:]
     graph.initializer.extend(remaining)
     set_record(model, None)
+    if changes:
+        logger.warning("merging LoRA into %d quantized weights rounded them onto their DequantizeLinear's "
+                       "grid: the largest change is %.3g of a weight's largest magnitude. export(..., "
+                       "merge=False) keeps the adapters exact beside the quantized base.", len(changes), max(changes))
     return model
 
 

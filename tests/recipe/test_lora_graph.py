@@ -8,6 +8,8 @@ layers, torch autograd for Conv, and ONNX Runtime on every export.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import pytest
@@ -271,6 +273,32 @@ def test_quantized_base_trains_factors_only_and_merges_to_a_float_weight(tmp_pat
     branch = onnx.load(tmp_path / "branch.onnx")
     assert {t.name for t in branch.graph.initializer} >= {"W_q", "W_scale", "W_zp"}
     np.testing.assert_allclose(_ort(branch, {"X": x}, exact=True), got, rtol=1e-5, atol=1e-5)
+
+
+def test_a_small_change_merges_onto_the_quantized_bases_own_grid(tmp_path, caplog):
+    """A LoRA change that keeps the merged weight within its int8 grid's range is rounded onto
+    that grid: the merged export keeps DequantizeLinear, its scale and zero point, and moves
+    integers; each output is then within half a step per weight of infer() (round to nearest)."""
+    rng = np.random.default_rng(5)
+    base = quantized_model(rng)
+    x = rng.normal(size=(5, 4)).astype(np.float32)
+    training = onnxtrain.make_training_model(base, loss="mse", optimizer="sgd",
+                                             adapters=onnxtrain.LoRA(RANK, ALPHA, targets=["W_dq"]))
+    trainer, entry = onnxtrain.Trainer(training), read_record(training)["weights"]["W_dq"]
+    trainer.set_state(entry["B"], 0.05 * rng.normal(size=trainer.get_state(entry["B"]).shape).astype(np.float32))
+    got = np.asarray(trainer.infer({"X": x})["Y"])
+    with caplog.at_level(logging.WARNING, logger="onnxtrain"):
+        trainer.export(tmp_path / "merged.onnx", training=False)
+    merged = onnx.load(tmp_path / "merged.onnx")
+    assert [n.op_type for n in merged.graph.node] == ["DequantizeLinear", "MatMul"]
+    stored = {t.name: numpy_helper.to_array(t) for t in merged.graph.initializer}
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(base).graph.initializer}
+    assert stored["W_q"].dtype == np.int8 and (stored["W_q"] != original["W_q"]).any()
+    np.testing.assert_array_equal(stored["W_scale"], original["W_scale"])
+    np.testing.assert_array_equal(stored["W_zp"], original["W_zp"])
+    half_steps = np.abs(x).astype(np.float64) @ np.tile(original["W_scale"] / 2, (4, 1))
+    assert (np.abs(_ort(merged, {"X": x}, exact=True) - got) <= half_steps + 1e-5).all()
+    assert any("onto their DequantizeLinear's grid" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow
