@@ -16,13 +16,11 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
+from onnxtrain._io.files import write_export
 from onnxtrain.errors import ExportError, ModelLoadError
-from onnxtrain.state.atomic import write_atomically
 from onnxtrain.translate.tensors import ELEMENT_TYPES
 
 IDENTIFIER = b"TORT"
@@ -117,14 +115,7 @@ def write_onnx_adapter(path: str | os.PathLike, parameters: Mapping[str, np.ndar
         >>> write_onnx_adapter("math.onnx_adapter", {"q_proj.lora_A": a, "q_proj.lora_B": b})
     """
     data = adapter_bytes(parameters, adapter_version, model_version)
-
-    def write(file: BinaryIO) -> None:
-        file.write(data)
-
-    try:
-        write_atomically(Path(path), write)
-    except OSError as error:
-        raise ExportError(f"cannot write {path}: {error.strerror or error}") from None
+    write_export(path, lambda file: file.write(data))
 
 
 def read_onnx_adapter(data: bytes, source: str = "the adapter file") -> dict[str, np.ndarray]:

@@ -10,14 +10,13 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
 
+from onnxtrain._io.files import write_export
 from onnxtrain.errors import ExportError
-from onnxtrain.state.atomic import write_atomically
 
 # numpy dtype -> the format's name for it.
 DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
@@ -61,7 +60,4 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         for array in arrays:
             file.write(array.tobytes())
 
-    try:
-        write_atomically(Path(path), write)
-    except OSError as error:
-        raise ExportError(f"cannot write {path}: {error.strerror or error}") from None
+    write_export(path, write)

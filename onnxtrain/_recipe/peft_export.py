@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from onnxtrain._io.files import write_export
 from onnxtrain._io.safetensors import write_safetensors
 from onnxtrain.errors import ExportError
-from onnxtrain.state.atomic import write_atomically
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -70,8 +70,8 @@ def write_peft_adapter(folder: str | os.PathLike, record: Mapping, values: Mappi
     target = Path(folder)
     try:
         target.mkdir(parents=True, exist_ok=True)
-        encoded = json.dumps(peft_config(record, modules), indent=2).encode()
-        write_atomically(target / CONFIG, lambda file: file.write(encoded))
     except OSError as error:
         raise ExportError(f"cannot write the adapter into {target}: {error.strerror or error}") from None
+    encoded = json.dumps(peft_config(record, modules), indent=2).encode()
+    write_export(target / CONFIG, lambda file: file.write(encoded))
     write_safetensors(target / WEIGHTS, tensors, {"format": "pt"})

@@ -193,20 +193,21 @@ def quantize_blocks(weight: np.ndarray, bits: int, block: int, asymmetric: bool,
     else:
         scale = np.abs(grouped).max(-1) / (2 ** (bits - 1) - 1)
         zero = np.full(scale.shape, 2.0 ** (bits - 1))
-    candidates = [(scale, zero)] + ([] if grid is None else [tuple(np.asarray(g, np.float64) for g in grid)])
-    best = None
-    for scale, zero in candidates:
-        safe = np.where(scale > 0, scale, 1.0)
-        values = np.clip(np.round(grouped / safe[..., None]) + zero[..., None], 0, top)
-        error = np.abs((values - zero[..., None]) * scale[..., None] - grouped).max(-1)
-        if best is None:
-            best = (values, scale, zero, error)
-            continue
-        better = error < best[3]
-        best = (np.where(better[..., None], values, best[0]), np.where(better, scale, best[1]),
-                np.where(better, zero, best[2]), np.minimum(error, best[3]))
-    values, scale, zero, _ = best
+    values, error = _rounded(grouped, scale, zero, top)
+    if grid is not None:
+        kept_scale, kept_zero = (np.asarray(g, np.float64) for g in grid)
+        kept_values, kept_error = _rounded(grouped, kept_scale, kept_zero, top)
+        keep = kept_error < error
+        values = np.where(keep[..., None], kept_values, values)
+        scale, zero = np.where(keep, kept_scale, scale), np.where(keep, kept_zero, zero)
     return values.reshape(n, k).astype(np.uint8), scale, zero.astype(np.uint8)
+
+
+def _rounded(grouped: np.ndarray, scale: np.ndarray, zero: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks [N, blocks, block] rounded onto the grid (scale, zero [N, blocks]) within
+    0..top, and each block's largest change."""
+    values = np.clip(np.round(grouped / np.where(scale > 0, scale, 1.0)[..., None]) + zero[..., None], 0, top)
+    return values, np.abs((values - zero[..., None]) * scale[..., None] - grouped).max(-1)
 
 
 def quantization_grids(model: ModelProto) -> dict[str, tuple[np.ndarray, np.ndarray]]:
