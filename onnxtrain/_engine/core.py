@@ -28,7 +28,6 @@ from onnxtrain._engine.programs import EvaluationProgram, InferenceProgram, Prog
 from onnxtrain._engine.runner import StepRunner
 from onnxtrain._engine.strategies import StepFunction
 from onnxtrain._io.export import Home, write_model
-from onnxtrain._recipe.lora import read_record
 from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
 from onnxtrain._io.onnx_adapter import write_onnx_adapter
 from onnxtrain._recipe.lora_export import adapter_ready_transform, export_transform, onnx_adapter_parameters
@@ -38,6 +37,7 @@ from onnxtrain.data import Data, fit_data
 from onnxtrain.fitting import Batches, Callback, evaluate_batches, fit
 from onnxtrain.metrics import MetricSet, MetricsArgument
 from onnxtrain.proto import ModelProto
+from onnxtrain.proto.metadata import read_record
 from onnxtrain.state import checkpoint
 from onnxtrain.state.store import StateStore, StateView
 

@@ -6,9 +6,9 @@ import math
 from collections import Counter
 
 from onnxtrain._io.model import ModelSource, load_model
-from onnxtrain._recipe.lora_export import describe_adapters
 from onnxtrain.proto import (AttributeProto, GraphProto, ModelProto, SparseTensorProto, TensorProto, TrainingInfoProto,
                              TypeProto, ValueInfoProto)
+from onnxtrain.proto.metadata import read_record
 from onnxtrain.proto.walk import iter_graphs
 from onnxtrain.translate import gradient, ops  # noqa: F401 - registers every op handler
 from onnxtrain.translate.registry import TRAINING_DOMAIN, model_opsets, normalize_domain, resolve
@@ -198,3 +198,16 @@ def describe(model: ModelSource) -> str:
         lines.append("functions: " + ", ".join(f"{f.domain}::{f.name}" for f in model.functions))
     lines.append("unsupported operators: " + (", ".join(unsupported_ops(model)) or "none"))
     return "\n".join(lines)
+
+
+def describe_adapters(model: ModelProto) -> list[str]:
+    """Lines for `onnxtrain inspect`: each adapted weight, its kind, rank and factors."""
+    record = read_record(model)
+    if record is None:
+        return []
+    lines = [f"LoRA adapters: rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, "
+             f"{len(record['weights'])} weights"]
+    for weight, entry in record["weights"].items():
+        quantized = ", quantized base" if entry["quantized"] else ""
+        lines.append(f"  {weight} ({entry['kind']} {entry['shape']}{quantized}): {entry['A']}, {entry['B']}")
+    return lines

@@ -21,7 +21,6 @@ import ast
 import collections
 import difflib
 import fnmatch
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -32,14 +31,13 @@ import numpy as np
 from onnxtrain._recipe.objective import Names, Trainable, default_opset, trainable_names
 from onnxtrain._recipe.quantized import standardize_matmul_nbits
 from onnxtrain.adapters import LoRA
-from onnxtrain.errors import BindingError, ModelLoadError
-from onnxtrain.proto import GraphProto, ModelProto, NodeProto, StringStringEntryProto, TensorProto
+from onnxtrain.errors import BindingError
+from onnxtrain.proto import GraphProto, ModelProto, NodeProto, TensorProto
 from onnxtrain.proto.make import node
+from onnxtrain.proto.metadata import ADAPTERS_KEY, FORMAT, read_record, set_record
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_to_numpy
 
-ADAPTERS_KEY = "onnxtrain.adapters"
-FORMAT = 1
 # Ops that pass a weight on unchanged in value (a 2-D Transpose swaps its layout).
 _PASS = {"Identity", "Transpose"}
 # Ops a head search stops at: the result has gone through another linear layer.
@@ -440,33 +438,6 @@ def insert(model: ModelProto, lora: LoRA, chosen: list[Candidate],
     graph.node.extend(ordered)
     set_record(model, record)
     return record
-
-
-def set_record(model: ModelProto, record: dict | None) -> None:
-    kept = [entry for entry in model.metadata_props if entry.key != ADAPTERS_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    if record is not None:
-        model.metadata_props.append(StringStringEntryProto(key=ADAPTERS_KEY, value=json.dumps(record)))
-
-
-def read_record(model: ModelProto) -> dict | None:
-    """The adapter record a model carries (see insert), or None.
-
-    Raises:
-        ModelLoadError: the record is malformed.
-    """
-    for entry in model.metadata_props:
-        if entry.key == ADAPTERS_KEY:
-            try:
-                record = json.loads(entry.value)
-                if record.get("format") != FORMAT or not isinstance(record.get("weights"), dict):
-                    raise ValueError(f"format {record.get('format')!r}, expected {FORMAT}")
-                return record
-            except (ValueError, AttributeError) as error:
-                raise ModelLoadError(f"metadata {ADAPTERS_KEY!r} is malformed ({error}); it must be written "
-                                     "by onnxtrain's LoRA") from None
-    return None
 
 
 def trained_weights(model: ModelProto, trainable: Trainable, adapters: LoRA | None, prediction: str | None,

@@ -20,13 +20,14 @@ from onnxtrain._io.external_data import mark_external, uses_external_data
 from onnxtrain._io.model import ModelSource, load_model, save_model
 from onnxtrain._io.onnx_adapter import IDENTIFIER, read_onnx_adapter
 from onnxtrain._io.onnx_adapter import SUFFIX as ONNX_ADAPTER
-from onnxtrain._recipe.lora import ADAPTERS_KEY, attribute_value, candidates, insert, read_record, set_record
+from onnxtrain._recipe.lora import attribute_value, candidates, insert
 from onnxtrain._recipe.quantized import (quantization_grids, recorded, restore_matmul_nbits,
                                          standardize_matmul_nbits)
 from onnxtrain.adapters import LoRA
 from onnxtrain.errors import BindingError, ExportError, ModelLoadError
 from onnxtrain.proto import GraphProto, ModelProto, NodeProto
 from onnxtrain.proto.make import tensor_value_info
+from onnxtrain.proto.metadata import ADAPTERS_KEY, read_record, set_record
 from onnxtrain.translate.registry import normalize_domain
 from onnxtrain.translate.tensors import ELEMENT_TYPES, numpy_to_tensor, tensor_to_numpy
 
@@ -288,19 +289,6 @@ def _bind(model: ModelProto, parameters: Mapping[str, np.ndarray], merge: bool) 
     rank = ranks.pop()
     set_record(model, {**record, "rank": int(rank), "alpha": float(rank)})
     return fold(model) if merge else model
-
-
-def describe_adapters(model: ModelProto) -> list[str]:
-    """Lines for `onnxtrain inspect`: each adapted weight, its kind, rank and factors."""
-    record = read_record(model)
-    if record is None:
-        return []
-    lines = [f"LoRA adapters: rank {record['rank']}, alpha {record['alpha']:g}, dropout {record['dropout']:g}, "
-             f"{len(record['weights'])} weights"]
-    for weight, entry in record["weights"].items():
-        quantized = ", quantized base" if entry["quantized"] else ""
-        lines.append(f"  {weight} ({entry['kind']} {entry['shape']}{quantized}): {entry['A']}, {entry['B']}")
-    return lines
 
 
 def _share_base_data(out: ModelProto, record: Mapping, path: str, written: Collection[str]) -> None:
